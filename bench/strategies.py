@@ -1,13 +1,15 @@
-"""Step time of each strategy as a ratio of data parallel, in one process.
+"""Step time of each strategy as a ratio of a plain-JAX data-parallel step, in one process.
 
   python bench/strategies.py [--steps 4] [--rounds 3]
 
 Runs the small model (global batch 8 x 128 tokens, so a step takes seconds on
-2 cores) on 8 simulated CPU devices. Each strategy is compiled once; then the
-strategies take turns, `rounds` times, so that a slow spell of the shared
-machine hits them all alike; a strategy's time is its median step. Writes
-bench/results/strategies.json and the table between the markers in
-docs/benchmarks.md.
+2 cores) on 8 simulated CPU devices: two baselines written without meshtrain's
+rules or step (the same model and optax optimizer under plain `jax.jit`: on one
+device, and with `NamedSharding` over 8 devices, batch split, weights
+replicated), then meshtrain under every strategy. Each is compiled once; then
+they take turns, `rounds` times, so that a slow spell of the shared machine hits
+them all alike; a time is the median step. Writes bench/results/strategies.json
+and the table between the markers in docs/benchmarks.md.
 """
 
 import argparse
@@ -20,6 +22,9 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from meshtrain.analysis.plan import analytic  # noqa: E402
 from meshtrain.analysis import hlo  # noqa: E402
@@ -32,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from report import write_section  # noqa: E402
 
-STRATEGIES = {  # name -> config changes; the first is the baseline
+STRATEGIES = {  # name -> config changes
     "dp (zero 0)": dict(mesh=dict(data=8)),
     "zero1": dict(mesh=dict(data=8), zero_stage=1),
     "zero2": dict(mesh=dict(data=8), zero_stage=2),
@@ -60,8 +65,53 @@ def small_config(changes):
   return cfg
 
 
-class Runner:
-  """One strategy: compiled step, its state and data, and its step times."""
+class PlainRunner:
+  """The baseline: meshtrain's model and optimizer stepped by plain `jax.jit`,
+  no rules and no meshtrain step; the batch split over `devices`."""
+
+  def __init__(self, devices):
+    cfg = small_config({})
+    setup = build(cfg)
+    graphdef, optimizer = setup.spec.graphdef, setup.optimizer
+    mesh = Mesh(np.array(devices), ("batch",))
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(jax.device_get(setup.init_state().params), replicated)
+    self.state = (params, jax.jit(optimizer.init, out_shardings=replicated)(params))
+    batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                            vocab_size=cfg.model.vocab_size, seed=0)
+    self.batch = jax.device_put(next(batches), NamedSharding(mesh, P("batch")))
+
+    def step(state, batch):
+      params, opt_state = state
+      def loss_fn(p):
+        logits = nnx.merge(graphdef, p)(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    self._step = jax.jit(step, donate_argnums=0)
+    start = time.perf_counter()
+    compiled = self._step.lower(self.state, self.batch).compile()
+    self.compile_s = time.perf_counter() - start
+    self.measured_bytes = sum(c.bytes for c in hlo.collectives(compiled, mesh))
+    self.analytic_bytes = None  # no rules to model
+    self.step()
+    self.times = []
+
+  def step(self):
+    self.state, loss = self._step(self.state, self.batch)
+    jax.block_until_ready(loss)
+
+  def timed(self, steps):
+    for _ in range(steps):
+      start = time.perf_counter()
+      self.step()
+      self.times.append(time.perf_counter() - start)
+
+
+class Runner(PlainRunner):
+  """One strategy of meshtrain: compiled step, its state and data, and its step times."""
 
   def __init__(self, changes):
     cfg = small_config(changes)
@@ -83,19 +133,14 @@ class Runner:
     self.state, metrics = self.setup.train_step(self.state, self.batch)
     jax.block_until_ready(metrics)
 
-  def timed(self, steps):
-    for _ in range(steps):
-      start = time.perf_counter()
-      self.step()
-      self.times.append(time.perf_counter() - start)
-
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args()
-  runners = {}
+  runners = {"plain jax, data 8 (baseline)": PlainRunner(jax.devices()),
+             "plain jax, 1 device": PlainRunner(jax.devices()[:1])}
   for name, changes in STRATEGIES.items():
     print(f"compiling {name}", flush=True)
     runners[name] = Runner(changes)
@@ -107,12 +152,15 @@ def main():
   rows = [{"strategy": name, "step_time_ratio": float(np.median(r.times) / baseline),
            "step_time_s": float(np.median(r.times)), "compile_s": r.compile_s,
            "collective_mib_measured": r.measured_bytes / 2**20,
-           "collective_mib_analytic": r.analytic_bytes / 2**20}
+           "collective_mib_analytic": None if r.analytic_bytes is None else r.analytic_bytes / 2**20}
           for name, r in runners.items()]
-  table = ["| strategy | step time / dp | compile s | collectives MiB measured | analytic |",
+  table = ["| strategy | step time / plain data 8 | compile s | collectives MiB measured | analytic |",
            "|---|---|---|---|---|"]
+  def mib(value):
+    return "—" if value is None else f"{value:.1f}"
+
   table += [f"| {r['strategy']} | {r['step_time_ratio']:.2f} | {r['compile_s']:.1f} | "
-            f"{r['collective_mib_measured']:.1f} | {r['collective_mib_analytic']:.1f} |"
+            f"{mib(r['collective_mib_measured'])} | {mib(r['collective_mib_analytic'])} |"
             for r in rows]
   write_section("strategies", rows, "\n".join(table),
                 command=f"python bench/strategies.py --steps {args.steps} --rounds {args.rounds}")

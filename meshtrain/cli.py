@@ -1,6 +1,7 @@
 """`meshtrain COMMAND [--flags]`: one absl program per command.
 
   meshtrain train --config configs/tiny.py --config.steps=300 --config.mesh.data=8
+  meshtrain launch --num_processes 2 --devices_per_process 4 -- train --config configs/tiny.py
 """
 
 import json
@@ -12,8 +13,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
+from meshtrain import distributed, launch
 from meshtrain.analysis.plan import format_plan, plan
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -34,6 +36,9 @@ _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage 
 _BACKWARD_COST = flags.DEFINE_float("backward_cost", 2.0,
                                     "schedule: cost of a backward, a forward costing 1")
 _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
+_DEVICES_PER_PROCESS = flags.DEFINE_integer(
+    "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
 
 
 def _use_simulated_devices(cfg) -> None:
@@ -48,8 +53,13 @@ def train_command(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # keep the terminal to the progress bar
   cfg = _CONFIG.value
   _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
   records = train(cfg)
-  if records:
+  if jax.process_index():
+    return
+  if not records:
+    print(f"nothing to do: {cfg.workdir} is already at config.steps={cfg.steps}")
+  elif records[-1]["step"] == cfg.steps:
     print(f"done: step {records[-1]['step']}, loss {records[-1]['loss']:.4f}, "
           f"metrics in {Path(cfg.workdir) / 'metrics.jsonl'}")
 
@@ -88,7 +98,16 @@ def schedule_command(argv: list[str]) -> None:
     print(f"chart: {_OUT.value}")
 
 
-COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command}
+def launch_command(argv: list[str]) -> None:
+  command = argv[1:]
+  if not command or command[0] not in COMMANDS or command[0] == "launch":
+    raise ConfigError("launch", "give the command after --, e.g. "
+                      "`meshtrain launch --num_processes 2 -- train --config configs/tiny.py`")
+  sys.exit(launch.launch(command, _NUM_PROCESSES.value, _DEVICES_PER_PROCESS.value))
+
+
+COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
+            "launch": launch_command}
 
 
 def _guarded(command):
@@ -98,6 +117,9 @@ def _guarded(command):
     except ConfigError as error:
       print(f"error: {error}", file=sys.stderr)
       sys.exit(2)
+    except TrainingHalted as error:
+      print(f"stopped: {error}", file=sys.stderr)
+      sys.exit(3)
   return main
 
 

@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.simulate_devices = 0        # >0: run on this many simulated CPU devices
   c.peak_flops = 0.0            # peak FLOP/s of one device for MFU (0: unknown, mfu is null)
   c.log_every = 10              # steps between metric fetches (the only host syncs in the loop)
+  c.nan_policy = "stop"         # non-finite loss/grads: stop (save last good state, exit 3) | skip (drop, count)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1              # replicas (batch); -1 fills the remaining devices
@@ -34,6 +35,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.tensor = 1             # shards heads, mlp and vocab (Megatron)
   c.mesh.pipeline = 1           # shards layers into stages
   c.mesh.sequence = 1           # shards the sequence (context parallel)
+  c.mesh.across_hosts = "data"  # with several processes: axes spanning hosts, outer first (data,pipeline)
+
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.num_processes = 1         # processes (hosts) in the job; 0: detect (Slurm, Open MPI, TPU)
+  c.distributed.process_id = -1           # this process's id when num_processes > 1
+  c.distributed.coordinator_address = ""  # host:port of process 0 when num_processes > 1
+  c.distributed.timeout_s = 120           # joining, and noticing a dead peer (heartbeats)
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256      # byte-level tokenizer
@@ -49,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.attention = ml_collections.ConfigDict()
   c.attention.sequence_strategy = "all_gather_kv"  # when mesh.sequence > 1: all_gather_kv | ulysses | ring
+  c.attention.implementation = ""  # jax.nn.dot_product_attention: "" (best available) | xla | cudnn
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b
@@ -64,6 +73,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.eps = 1e-8
   c.optimizer.weight_decay = 0.1    # AdamW; not applied to norm scales and biases
   c.optimizer.clip_norm = 1.0       # global gradient norm clipping (0: off)
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
+  c.checkpoint.keep = 3            # newest checkpoints kept (0: all)
+  c.checkpoint.restore_from = ""   # start a new workdir from another run's checkpoints dir, or one step dir in it
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"   # synthetic | text

@@ -7,3 +7,11 @@ class ConfigError(ValueError):
   def __init__(self, key: str, message: str):
     super().__init__(f"{key}: {message}")
     self.key = key
+
+
+class TrainingHalted(RuntimeError):
+  """Training stopped on purpose with a saved state (config.nan_policy=stop); the CLI exits 3."""
+
+  def __init__(self, key: str, message: str):
+    super().__init__(f"{key}: {message}")
+    self.key = key

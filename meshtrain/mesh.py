@@ -1,7 +1,9 @@
 """One device mesh with five named axes, sized from `config.mesh`.
 
 Axis order follows link speed: `data` outermost (slowest links, across hosts),
-`tensor` innermost (fastest links, inside a host).
+`tensor` innermost (fastest links, inside a host). With several processes
+(hosts), `config.mesh.across_hosts` names the axes whose devices span hosts; the
+other axes stay inside each host.
 """
 
 import math
@@ -18,8 +20,9 @@ AXES = ("data", "pipeline", "fsdp", "sequence", "tensor")
 
 
 def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """Resolves the sizes in `config.mesh` (one may be -1) against the device count."""
-  sizes = {axis: int(mesh_cfg[axis]) for axis in AXES}
+  """Resolves the sizes in `config.mesh` (one may be -1, a missing axis is 1)
+  against the device count."""
+  sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in AXES}
   fill = [axis for axis, size in sizes.items() if size == -1]
   bad = [axis for axis, size in sizes.items() if size == 0 or size < -1]
   if bad:
@@ -44,12 +47,41 @@ def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
   return sizes
 
 
+def host_split(sizes: Mapping[str, int], across_hosts: Sequence[str],
+               num_processes: int) -> dict[str, int]:
+  """How many processes each axis spans: the processes go to `across_hosts`, outer first."""
+  unknown = [axis for axis in across_hosts if axis not in AXES]
+  if unknown:
+    raise ConfigError("config.mesh.across_hosts",
+                      f"{unknown[0]!r} is not a mesh axis; use some of {', '.join(AXES)}")
+  split, left = dict.fromkeys(AXES, 1), num_processes
+  for axis in across_hosts:
+    split[axis] = math.gcd(sizes[axis], left)
+    left //= split[axis]
+  if left != 1:
+    spans = " x ".join(f"{axis}={sizes[axis]}" for axis in across_hosts) or "no axis"
+    raise ConfigError(
+        "config.mesh.across_hosts",
+        f"{num_processes} processes cannot split over {spans}; name more axes (outer first, "
+        f"e.g. data,pipeline) or size them to a multiple of {num_processes}")
+  return split
+
+
 def make_mesh(mesh_cfg: Mapping[str, int],
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the 5-axis mesh; `mesh_utils` places `tensor` on the closest devices."""
+  """Builds the 5-axis mesh; `mesh_utils` places `tensor` on the closest devices
+  and, with several processes, each process's devices in one block."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = axis_sizes(mesh_cfg, len(devices))
   shape = tuple(sizes[axis] for axis in AXES)
+  num_processes = len({d.process_index for d in devices})
+  if num_processes > 1:
+    across = [a.strip() for a in mesh_cfg.get("across_hosts", "data").split(",") if a.strip()]
+    split = host_split(sizes, across, num_processes)
+    hosts = tuple(split[axis] for axis in AXES)
+    device_array = mesh_utils.create_hybrid_device_mesh(
+        tuple(n // h for n, h in zip(shape, hosts)), hosts, devices, process_is_granule=True)
+    return Mesh(device_array, AXES, axis_types=(AxisType.Auto,) * len(AXES))
   try:
     device_array = mesh_utils.create_device_mesh(shape, devices)
   except (ValueError, NotImplementedError):  # no topology information: plain order

@@ -23,12 +23,23 @@ def eight_devices():
   assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 
 
-def micro_config():
-  """A model small enough to compile and run in about a second on 2 cores."""
+# A model small enough to compile and run in about a second on 2 cores.
+MICRO = {"model.vocab_size": 64, "model.embed_dim": 32, "model.num_layers": 2,
+         "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 8, "model.mlp_dim": 64,
+         "seq_len": 16, "global_batch": 16, "steps": 5, "log_every": 1,
+         "optimizer.warmup_steps": 2}
+
+
+def micro_config(**changes):
+  """The default config with MICRO and `changes` ({"mesh.fsdp": 8, ...}) applied."""
   from meshtrain.config import get_config
   cfg = get_config()
-  cfg.model.update(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, mlp_dim=64)
-  cfg.update(seq_len=16, global_batch=16, steps=5, log_every=1)
-  cfg.optimizer.warmup_steps = 2
+  for key, value in {**MICRO, **changes}.items():
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
   return cfg
+
+
+def micro_flags(**changes) -> list[str]:
+  """The same config as `micro_config(**changes)`, as `meshtrain train` flags."""
+  return [f"--config.{key}={value}" for key, value in {**MICRO, **changes}.items()]

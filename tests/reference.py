@@ -8,8 +8,9 @@ import optax
 from flax import nnx
 
 
-def reference_run(graphdef, params, optimizer, batches):
-  """Losses and final parameters of len(batches) plain steps from `params`."""
+def reference_run(graphdef, params, optimizer, batches, apply=None):
+  """Losses and final parameters of len(batches) plain steps from `params`: an
+  NNX model (`graphdef`) or any `apply(params, inputs) -> logits`."""
   device = jax.devices()[0]
   params = jax.device_put(jax.device_get(params), device)
   opt_state = jax.device_put(jax.jit(optimizer.init)(params), device)
@@ -17,7 +18,7 @@ def reference_run(graphdef, params, optimizer, batches):
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      logits = nnx.merge(graphdef, p)(batch["inputs"])
+      logits = apply(p, batch["inputs"]) if apply else nnx.merge(graphdef, p)(batch["inputs"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -57,4 +57,5 @@ def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
   one_f_one_b = {m: temp_bytes("1f1b", m) for m in (4, 32)}
   gpipe = {m: temp_bytes("gpipe", m) for m in (4, 32)}
   assert one_f_one_b[32] <= 1.10 * one_f_one_b[4], one_f_one_b
-  assert gpipe[32] > 1.5 * gpipe[4], gpipe
+  # GPipe keeps every microbatch's activations: 28 more cost far more than 1F1B's stash.
+  assert gpipe[32] - gpipe[4] > 10 * (one_f_one_b[32] - one_f_one_b[4]), (gpipe, one_f_one_b)

@@ -4,7 +4,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import micro_config
 from meshtrain import rules as r
 from meshtrain.mesh import AXES, make_mesh
-from meshtrain.train.state import model_config, model_spec
+from meshtrain.train.state import llama_spec, model_config
 
 
 def test_composition_concatenates_in_mesh_order():
@@ -28,7 +28,7 @@ def test_strategy_uses_only_axes_larger_than_one():
 
 
 def test_replicated_share_reports_unsharded_weights():
-  spec = model_spec(model_config(micro_config()))
+  spec = llama_spec(model_config(micro_config()))
   fsdp = make_mesh({**{a: 1 for a in AXES}, "fsdp": 8})
   share = r.replicated_share(spec.abstract_params, spec.names, fsdp, r.strategy_rules(fsdp).params)
   norm_bytes = 4 * 32 * (2 * 2 + 1)  # two norms per layer, two layers, the final norm

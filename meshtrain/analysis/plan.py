@@ -30,7 +30,7 @@ from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.train import setup as setup_lib
-from meshtrain.train.state import model_config, model_spec
+from meshtrain.train.state import llama_spec, model_config
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -188,7 +188,7 @@ def plan(cfg, num_devices: int, compile_step: bool) -> dict:
   so it works for any model on any number of devices."""
   mesh = abstract_mesh(cfg.mesh, num_devices)
   setup_lib.validate(cfg, mesh)
-  spec = model_spec(model_config(cfg))
+  spec = llama_spec(model_config(cfg))
   report = {"devices": num_devices, "mesh": dict(mesh.shape), "zero_stage": cfg.zero_stage,
             "parameters": int(sum(x.size for x in jax.tree.leaves(spec.abstract_params))),
             "analytic": analytic(cfg, spec, setup_lib.sharding_rules(cfg, mesh), mesh)}

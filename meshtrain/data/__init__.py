@@ -3,8 +3,9 @@
 A source is a fixed set of windows of `seq_len + 1` tokens, addressed by window
 id. The stream visits every window once per epoch, each epoch in a fresh order
 drawn from (seed, epoch). Global batch k is rows [k * global_batch,
-(k + 1) * global_batch) of that stream and process i takes the i-th contiguous
-slice of it, so the data order does not depend on the number of processes.
+(k + 1) * global_batch) of that stream and a process reads only the rows its
+devices hold (a contiguous block), so the data order does not depend on the
+number of processes.
 
 grain serves batch k as element k of `MapDataset.range`, prefetched in
 threads; the iterator's `get_state()` / `set_state()` restore the exact step.
@@ -59,22 +60,24 @@ def make_iterator(
     global_batch: int,
     vocab_size: int,
     seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
+    rows: range | None = None,
 ) -> grain.DatasetIterator:
-  """Yields this process's rows of each global batch.
+  """Yields rows `rows` (default: all) of each global batch.
 
-  Each element is `{"inputs": int32[global_batch // process_count, seq_len],
+  Each element is `{"inputs": int32[len(rows), seq_len],
   "targets": same}`, the targets being the inputs shifted by one token.
   `data_cfg` needs `source` (one of `SOURCES`) and, for "text", `path`.
   """
-  local_batch = _local_batch_size(global_batch, process_count)
+  if global_batch <= 0:
+    raise ConfigError("config.global_batch", f"is {global_batch}; use a positive number")
+  rows = range(global_batch) if rows is None else rows
+  if not 0 <= rows.start < rows.stop <= global_batch:
+    raise ValueError(f"rows {rows} are not inside a batch of {global_batch}")
   if seed < 0:
     raise ConfigError("config.seed", f"is {seed}; use a non-negative integer")
   windows = _windows(data_cfg, seq_len=seq_len, vocab_size=vocab_size)
   shuffle = _EpochShuffle(windows.num_windows, seed)
-  first_row = process_index * local_batch
-  rows_in_batch = np.arange(first_row, first_row + local_batch)
+  rows_in_batch = np.arange(rows.start, rows.stop)
 
   def local_batch_at(step: int) -> dict[str, np.ndarray]:
     rows = step * global_batch + rows_in_batch
@@ -82,16 +85,6 @@ def make_iterator(
 
   steps = grain.MapDataset.range(sys.maxsize).map(local_batch_at)
   return iter(steps.to_iter_dataset(_READ_OPTIONS))
-
-
-def _local_batch_size(global_batch: int, process_count: int) -> int:
-  if global_batch <= 0 or global_batch % process_count:
-    raise ConfigError(
-        "config.global_batch",
-        f"is {global_batch}; it must be a positive multiple of the "
-        f"{process_count} processes",
-    )
-  return global_batch // process_count
 
 
 def _windows(data_cfg: Any, *, seq_len: int, vocab_size: int) -> _Windows:

@@ -35,6 +35,7 @@ class LlamaConfig:
   compute_dtype: str = "float32"
   remat: Remat = "none"
   sequence_strategy: str = "all_gather_kv"  # attention when `sequence` splits the length
+  attention_implementation: str | None = None  # jax.nn.dot_product_attention's: None (best), xla, cudnn
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
@@ -94,8 +95,8 @@ class Attention(nnx.Module):
       out_BxLxNxH = sequence_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                        strategy=cfg.sequence_strategy, mesh=mesh)
     else:
-      out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
-                                                 is_causal=True)
+      out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
+                                                 implementation=cfg.attention_implementation)
     out_BxLxNxH = r.constrain(out_BxLxNxH, (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
     return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...].astype(dtype))
 

@@ -1,29 +1,49 @@
-"""The training loop: data in, steps dispatched asynchronously, metrics out.
+"""The training loop: data in, steps dispatched asynchronously, metrics and checkpoints out.
 
-The loop syncs with the device only when it logs (every `log_every` steps);
-between logs, steps queue up while the host prepares the next batches.
+The loop syncs with the device only when it logs (every `log_every` steps) and
+when a save copies the state to the host; between those, steps queue up while
+the host prepares the next batches. A run resumes from its workdir's newest
+checkpoint, so rerunning the same command after a stop continues the run.
 """
 
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from meshtrain import rules as r
 from meshtrain.analysis.flops import flops_per_token
+from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
+from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.train.metrics import MetricsWriter
+from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.state import model_config
+from meshtrain.train.state import TrainState, model_config
 
 
-def to_global(local_batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
+  """The rows of the global batch that this process's devices hold: the only
+  ones it reads. Under a hybrid mesh they are one contiguous block."""
+  spans = {(index[0].start or 0, global_shape[0] if index[0].stop is None else index[0].stop)
+           for index in sharding.addressable_devices_indices_map(global_shape).values()}
+  first, end = min(s for s, _ in spans), max(e for _, e in spans)
+  if sum(e - s for s, e in spans) != end - first:
+    raise ConfigError("config.mesh.across_hosts", "this process's devices hold rows of the batch "
+                      "that are not one block; put `data` first in across_hosts")
+  return range(first, end)
+
+
+def to_global(local_batch: dict[str, np.ndarray], sharding,
+              global_shape: tuple[int, ...] | None = None) -> dict[str, jax.Array]:
   """This process's rows -> one global array per key, laid out by `sharding`."""
-  return {key: jax.make_array_from_process_local_data(sharding, value)
+  return {key: jax.make_array_from_process_local_data(sharding, value, global_shape)
           for key, value in local_batch.items()}
 
 
@@ -39,48 +59,123 @@ def describe(setup: Setup) -> str:
   return "\n".join(lines)
 
 
+def _restore_source(path: str) -> tuple[Checkpoints, int]:
+  """`config.checkpoint.restore_from`: a checkpoints directory (its newest step) or one step in it."""
+  key, path = "config.checkpoint.restore_from", Path(path)
+  directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
+  if not directory.is_dir():
+    raise ConfigError(key, f"{path} does not exist; give a run's checkpoints directory "
+                      "(WORKDIR/checkpoints) or one step directory in it")
+  source = Checkpoints(directory, read_only=True, config_key=key)
+  step = source.latest_step() if step is None else step
+  if step is None or not (directory / str(step)).is_dir():
+    source.close()
+    raise ConfigError(key, f"{path} holds no complete checkpoint")
+  return source, step
+
+
+def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
+  """The state to start from: the workdir's newest checkpoint, else the one
+  `config.checkpoint.restore_from` names, else a fresh init. Everything is read
+  and checked before anything is written. Returns the state, the workdir's
+  checkpoints and where the state came from."""
+  own = source = step = None
+  try:
+    if (Path(cfg.workdir) / "checkpoints").is_dir():
+      own = _own(cfg)
+      source, step = own, own.latest_step()
+    if step is None and cfg.checkpoint.restore_from:
+      source, step = _restore_source(cfg.checkpoint.restore_from)
+    if step is None:
+      return setup.init_state(), own or _own(cfg), "initialized"
+    state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
+  except Exception:
+    for checkpoints in {own, source} - {None}:
+      checkpoints.close()
+    raise
+  if source is not own:
+    source.close()
+  if cfg.nan_policy == "stop":  # a stop's count would freeze the new run at once
+    state = dataclasses.replace(state, nonfinite_steps=jnp.zeros_like(state.nonfinite_steps))
+  return state, own or _own(cfg), f"resumed from {source.directory / str(step)}"
+
+
+def _own(cfg) -> Checkpoints:
+  return Checkpoints(Path(cfg.workdir) / "checkpoints", keep=cfg.checkpoint.keep,
+                     config_key="config.workdir")
+
+
 def train(cfg) -> list[dict]:
-  """Runs `cfg.steps` steps and returns the logged records."""
+  """Runs up to step `cfg.steps` and returns the records logged by this call."""
   setup = build(cfg)
+  sharding = setup.train_step.batch_sharding
+  batch_shape = (cfg.global_batch, cfg.seq_len)
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                           vocab_size=cfg.model.vocab_size, seed=cfg.seed,
-                          process_index=jax.process_index(), process_count=jax.process_count())
-  workdir = Path(cfg.workdir)  # written only once the config has passed every check
+                          rows=process_rows(sharding, batch_shape))
+  workdir = Path(cfg.workdir)
+  state, checkpoints, origin = start_state(cfg, setup, batches)
+  first = int(state.step) + 1
   workdir.mkdir(parents=True, exist_ok=True)
+  if jax.process_count() > 1:
+    print(f"process {jax.process_index()} of {jax.process_count()}: devices "
+          f"{[d.id for d in jax.local_devices()]}, batch rows {process_rows(sharding, batch_shape)}",
+          flush=True)
   if jax.process_index() == 0:
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    print(describe(setup), flush=True)
-  sharding = setup.train_step.batch_sharding
+    print(describe(setup), f"\n  {origin} at step {first - 1}", flush=True)
   tokens_per_step = cfg.global_batch * cfg.seq_len
   model_flops = flops_per_token(model_config(cfg), setup.spec.abstract_params, cfg.seq_len)
   peak = cfg.peak_flops * setup.mesh.size
 
-  state = setup.init_state()
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, resumed_step=first - 1)
   records = []
-  bar = tqdm(total=cfg.steps, desc="train", unit="step", disable=jax.process_index() != 0)
-  start = time.perf_counter()
-  last_step, last_time = 0, start
-  for step in range(1, cfg.steps + 1):
-    state, metrics = setup.train_step(state, to_global(next(batches), sharding))
-    bar.update(1)
-    if step % cfg.log_every and step != cfg.steps and step != 1:
-      continue
-    metrics = jax.device_get(metrics)  # the only host sync
-    now = time.perf_counter()
-    step_time = (now - last_time) / (step - last_step)
-    tokens_per_sec = tokens_per_step / step_time
-    record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-              "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-              "mfu": tokens_per_sec * model_flops / peak if peak else None}
-    if step == 1:  # the first step includes compilation: report it apart
-      record["compile_time_s"] = record.pop("step_time_s")
-      record["tokens_per_sec"] = record["mfu"] = None
-    writer.write(record)
-    records.append(record)
-    bar.set_postfix(loss=f"{record['loss']:.4f}",
-                    tok_s=f"{record['tokens_per_sec'] or 0:,.0f}")
-    last_step, last_time = step, now
-  bar.close()
-  writer.close()
+  bar = tqdm(initial=first - 1, total=cfg.steps, desc="train", unit="step",
+             disable=jax.process_index() != 0)
+  last_step, last_time = first - 1, time.perf_counter()
+  try:
+    with PreemptionRequest() as preemption:
+      for step in range(first, cfg.steps + 1):
+        state, metrics = setup.train_step(state, to_global(next(batches), sharding, batch_shape))
+        bar.update(1)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+          checkpoints.save(step, state, batches, cfg)
+        logging = not step % cfg.log_every or step in (first, cfg.steps)
+        preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
+        if not (logging or preempted):
+          continue
+        metrics = jax.device_get(metrics)  # the only host sync
+        now = time.perf_counter()
+        step_time = (now - last_time) / (step - last_step)
+        tokens_per_sec = tokens_per_step / step_time
+        record = {"step": step, **{k: v.item() for k, v in metrics.items()},
+                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+                  "mfu": tokens_per_sec * model_flops / peak if peak else None}
+        if step == first:  # the first step includes compilation: report it apart
+          record["compile_time_s"] = record.pop("step_time_s")
+          record["tokens_per_sec"] = record["mfu"] = None
+        writer.write(record)
+        records.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}",
+                        tok_s=f"{record['tokens_per_sec'] or 0:,.0f}")
+        last_step, last_time = step, now
+        if record["nonfinite_steps"] and cfg.nan_policy == "stop":
+          good = int(state.step)
+          checkpoints.save(good, state, batches, cfg)
+          raise TrainingHalted(
+              "config.nan_policy", f"loss or gradients not finite at step {good + 1}; the last "
+              f"good state (step {good}) is in {checkpoints.directory / str(good)}. Lower "
+              "config.optimizer.learning_rate or set config.nan_policy=skip, then rerun to resume")
+        if preempted:
+          checkpoints.save(step, state, batches, cfg)
+          checkpoints.wait()
+          if jax.process_index() == 0:
+            print(f"\n{preempted}: stopped after step {step}, checkpoint in "
+                  f"{checkpoints.directory / str(step)}; run the same command to resume", flush=True)
+          return records
+      checkpoints.save(int(state.step), state, batches, cfg)
+  finally:
+    bar.close()
+    writer.close()
+    checkpoints.close()  # waits for the saves in flight
   return records

@@ -9,11 +9,16 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsWriter:
+  """Appends to `metrics.jsonl`; a resumed run first drops the records after its checkpoint."""
 
-  def __init__(self, workdir: Path):
+  def __init__(self, workdir: Path, resumed_step: int = 0):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      self._jsonl = open(workdir / "metrics.jsonl", "w")
+      path = workdir / "metrics.jsonl"
+      kept = [line for line in path.read_text().splitlines()
+              if json.loads(line)["step"] <= resumed_step] if resumed_step and path.exists() else []
+      path.write_text("".join(line + "\n" for line in kept))
+      self._jsonl = open(path, "a")
       self._tensorboard = SummaryWriter(str(workdir / "tensorboard"))
 
   def write(self, record: dict) -> None:

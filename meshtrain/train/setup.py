@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
@@ -12,11 +13,16 @@ from meshtrain.mesh import make_mesh
 from meshtrain.parallel import sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
-from meshtrain.train.state import ModelSpec, TrainState, init_state, model_config, model_spec, state_shardings
+from meshtrain.train.loss import cross_entropy
+from meshtrain.train.pipelined import pipelined_value_and_grad
+from meshtrain.train.state import (ModelSpec, TrainState, init_state, llama_spec, model_config,
+                                   state_shardings)
 from meshtrain.train.step import TrainStep
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective")
+NAN_POLICIES = ("stop", "skip")
+ATTENTION = ("", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,11 @@ class Setup:
   train_step: TrainStep
 
   def init_state(self) -> TrainState:
-    return init_state(self.cfg.seed, model_config(self.cfg), self.optimizer, self.shardings)
+    return init_state(self.spec, self.optimizer, self.shardings)
+
+  def abstract_state(self) -> TrainState:
+    """Shapes and dtypes of the state, for restoring into."""
+    return jax.eval_shape(self.init_state)
 
 
 def _check_choice(key: str, value, choices) -> None:
@@ -45,8 +55,10 @@ def validate(cfg, mesh: Mesh) -> None:
   _check_choice("config.compute_dtype", cfg.compute_dtype, DTYPES)
   _check_choice("config.remat", cfg.remat, REMAT)
   _check_choice("config.zero_stage", cfg.zero_stage, r.ZERO_STAGES)
+  _check_choice("config.nan_policy", cfg.nan_policy, NAN_POLICIES)
   _check_choice("config.attention.sequence_strategy", cfg.attention.sequence_strategy,
                 sequence.STRATEGIES)
+  _check_choice("config.attention.implementation", cfg.attention.implementation, ATTENTION)
   m = cfg.model
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("config.model.num_kv_heads",
@@ -120,11 +132,18 @@ def build(cfg, devices=None) -> Setup:
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
   rules = sharding_rules(cfg, mesh)
-  spec = model_spec(model_config(cfg))
+  spec = llama_spec(model_config(cfg), cfg.seed)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
   shardings = state_shardings(spec, optimizer, mesh, rules)
-  step = TrainStep(spec, optimizer, schedule, mesh, rules, shardings,
+
+  def loss_fn(params, batch):
+    logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
+    return cross_entropy(logits, batch["targets"])
+
+  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat)
+              if mesh.shape["pipeline"] > 1 else None)
+  step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
-                   remat=cfg.remat, pipeline_cfg=cfg.pipeline if mesh.shape["pipeline"] > 1 else None)
+                   schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step)

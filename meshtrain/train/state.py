@@ -1,4 +1,4 @@
-"""The train state and its creation directly in shards.
+"""The train state, the model as the step sees it, and their creation directly in shards.
 
 Parameters live in the state as float32 master weights (a pure dict pytree);
 the step casts a working copy to `param_dtype`. Both the master weights and the
@@ -7,6 +7,7 @@ optimizer state are laid out by the `optimizer` rules table and created inside
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain import rules as r
 from meshtrain.models.llama import Llama, LlamaConfig
+from meshtrain.models.patterns import Patterns, names_by_path, path_string
 
 
 @jax.tree_util.register_dataclass
@@ -25,28 +27,44 @@ class TrainState:
   step: jax.Array
   params: Any      # float32 master weights, pure dict
   opt_state: Any
+  nonfinite_steps: jax.Array  # steps whose loss or gradients were not finite (update dropped)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """What the step needs to rebuild the model from a pure dict of weights."""
-  graphdef: nnx.GraphDef
-  abstract_params: Any  # ShapeDtypeStructs
-  names: Any            # tuples of logical names, same tree
+  """What the step needs of a model: its weights' shapes and logical names, a
+  function that creates them, and (NNX) how to rebuild the module from them."""
+  init: Callable[[], Any]  # () -> fresh weights, a pure dict
+  abstract_params: Any     # ShapeDtypeStructs
+  names: Any               # tuples of logical names, same tree
+  graphdef: nnx.GraphDef | None = None
 
 
 def model_config(cfg) -> LlamaConfig:
   return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat,
-                     sequence_strategy=cfg.attention.sequence_strategy)
+                     sequence_strategy=cfg.attention.sequence_strategy,
+                     attention_implementation=cfg.attention.implementation or None)
 
 
-def _new_params(model_cfg: LlamaConfig, seed):
-  return nnx.split(Llama(model_cfg, rngs=nnx.Rngs(seed)))
+def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None) -> ModelSpec:
+  """The spec of any flax NNX model. Logical names come from the variables'
+  annotations (`nnx.with_partitioning`) or, for a model without them, from
+  `patterns` (see `meshtrain.models.patterns`)."""
+  def split():
+    graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
+    others = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]
+    if others:
+      raise ValueError(f"meshtrain trains nnx.Param weights; this model also holds {others}")
+    return graphdef, params
+
+  graphdef, abstract = nnx.eval_shape(split)
+  abstract_params = abstract.to_pure_dict()
+  names = r.logical_names(abstract) if patterns is None else names_by_path(abstract_params, patterns)
+  return ModelSpec(lambda: split()[1].to_pure_dict(), abstract_params, names, graphdef)
 
 
-def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
-  graphdef, abstract = nnx.eval_shape(lambda: _new_params(model_cfg, 0))
-  return ModelSpec(graphdef, abstract.to_pure_dict(), r.logical_names(abstract))
+def llama_spec(model_cfg: LlamaConfig, seed: int = 0) -> ModelSpec:
+  return nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed)))
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -57,13 +75,14 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
   replicated = NamedSharding(mesh, PartitionSpec())
   opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, master,
                               transform_non_params=lambda _: replicated)
-  return TrainState(step=replicated, params=master, opt_state=opt)
+  return TrainState(step=replicated, params=master, opt_state=opt, nonfinite_steps=replicated)
 
 
-def init_state(seed: int, model_cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                shardings: TrainState) -> TrainState:
   """Creates parameters and optimizer state in their shards."""
   def create():
-    params = _new_params(model_cfg, seed)[1].to_pure_dict()
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    params = spec.init()
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                      jnp.zeros((), jnp.int32))
   return jax.jit(create, out_shardings=shardings)()

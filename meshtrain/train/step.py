@@ -8,6 +8,7 @@ float32 in the layout of the `grads` rules.
 """
 
 import contextlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +17,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
-from meshtrain.train.loss import cross_entropy
 from meshtrain.train.microbatch import split_microbatches
-from meshtrain.train.pipelined import pipelined_value_and_grad
-from meshtrain.train.state import ModelSpec, TrainState
+from meshtrain.train.state import TrainState
 
 Batch = dict[str, jax.Array]
+LossFn = Callable[[dict, Batch], jax.Array]
+GradsFn = Callable[[dict, Batch], tuple[jax.Array, dict]]
+# Batch leaves are [batch, length, ...]: rows split over data x fsdp, tokens over sequence.
 BATCH_NAMES = (r.BATCH, r.LENGTH)
+
+
+def _trim(spec: P) -> P:
+  """Without trailing unsharded dimensions, so the spec fits leaves of any rank."""
+  parts = list(spec)
+  while parts and parts[-1] is None:
+    parts.pop()
+  return P(*parts)
 
 
 def _cast(tree, dtype):
@@ -32,26 +42,31 @@ def _cast(tree, dtype):
 class TrainStep:
   """`state, metrics = train_step(state, batch)`, compiled once, state donated."""
 
-  def __init__(self, spec: ModelSpec, optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule, mesh: Mesh, rules: r.ShardingRules,
-               state_shardings: TrainState, *, grad_accum_steps: int, param_dtype: str,
-               remat: str = "none", pipeline_cfg=None):
-    """`pipeline_cfg` (config.pipeline) runs the model as a pipeline; its
-    microbatches then take the place of gradient accumulation."""
+  def __init__(self, loss_fn: LossFn, names, optimizer: optax.GradientTransformation,
+               mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
+               grad_accum_steps: int = 1, param_dtype: str = "float32",
+               schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
+               nan_policy: str = "stop"):
+    """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
+    names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
+    replaces the differentiation of `loss_fn` (the pipeline brings its own);
+    `schedule` gives the logged learning rate.
+
+    A step whose loss or gradient norm is not finite changes nothing but
+    `nonfinite_steps`. Under `nan_policy="skip"` training goes on (`step`
+    counts the dropped step); under "stop" the state stays frozen at the last
+    good step from then on, so the loop can save it when it next looks.
+    """
     self.mesh, self.rules = mesh, rules
-    self.batch_sharding = NamedSharding(mesh, r.logical_to_spec(BATCH_NAMES, rules.params))
-    param_shardings = r.tree_shardings(spec.names, mesh, rules.params)
-    grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(spec.names, mesh, rules.grads))
+    self.batch_sharding = NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+    param_shardings = r.tree_shardings(names, mesh, rules.params)
+    grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
     dtype = jnp.dtype(param_dtype)
     replicas = mesh.shape["data"]
     # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
     # own sum and reduce once per step, not once per microbatch.
     per_replica = (grad_accum_steps > 1 and replicas > 1 and
                    "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs)))
-
-    def loss_fn(params, batch: Batch) -> jax.Array:
-      logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
-      return cross_entropy(logits, batch["targets"])
 
     def value_and_grad(params, batch: Batch):
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -84,9 +99,7 @@ class TrainStep:
       count = grad_accum_steps * (replicas if per_replica else 1)
       return jax.tree.map(lambda x: (x.sum(0) if per_replica else x) / count, (loss, grads))
 
-    if pipeline_cfg is not None:
-      grads_fn = pipelined_value_and_grad(spec, pipeline_cfg, mesh, rules, remat)
-    else:
+    if grads_fn is None:
       grads_fn = value_and_grad if grad_accum_steps == 1 else accumulated
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -96,10 +109,19 @@ class TrainStep:
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
       grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-      metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                 "learning_rate": schedule(state.step)}
-      return TrainState(state.step + 1, params, opt_state), metrics
+      grad_norm = optax.tree.norm(grads)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      healthy = finite if nan_policy == "skip" else finite & (state.nonfinite_steps == 0)
+      params, opt_state = jax.tree.map(lambda new, old: jnp.where(healthy, new, old),
+                                       (optax.apply_updates(state.params, updates), opt_state),
+                                       (state.params, state.opt_state))
+      counts = healthy | (nan_policy == "skip")
+      nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
+      metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
+      if schedule is not None:
+        metrics["learning_rate"] = schedule(state.step)
+      return TrainState(state.step + counts.astype(jnp.int32), params, opt_state,
+                        nonfinite_steps), metrics
 
     self._jitted = jax.jit(step, in_shardings=(state_shardings, self.batch_sharding),
                            out_shardings=(state_shardings, None), donate_argnums=0)

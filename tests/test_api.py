@@ -1,0 +1,103 @@
+"""The public API on models that are not meshtrain's: the README example, the
+flax example, a Linen module, and path patterns; each checked against plain
+single-device jit training with the same optax optimizer."""
+
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import meshtrain
+from conftest import REPO
+from reference import random_batches, reference_run
+
+sys.path.insert(0, str(REPO / "examples"))
+import flax_model  # noqa: E402
+
+
+def test_readme_api_example_runs_as_written(capsys):
+  readme = (REPO / "README.md").read_text()
+  section = readme.split("## Using meshtrain's rules in your own Flax model")[1]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "P('fsdp', 'tensor')"
+  assert "up/kernel (64, 256) P('fsdp', 'tensor')" in out
+  assert float(out[-1]) < 0.1  # it learned
+
+
+def test_flax_example_trains_like_plain_jit_on_fsdp_x_tensor():
+  steps = 5
+  losses, state = flax_model.main(steps)
+  spec = meshtrain.nnx_spec(flax_model.new_model)
+  batches = [next(b) for b in [flax_model.text_batches()] for _ in range(steps)]
+  ref_losses, ref_params = reference_run(spec.graphdef, spec.init(), optax.adamw(3e-3), batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  got = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+  for (path, value), want in zip(got, jax.tree.leaves(ref_params)):
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    if name.endswith("key/bias"):
+      # Its gradient is zero (softmax ignores a shift shared by all keys): Adam
+      # turns the rounding noise of either run into steps of +-lr.
+      continue
+    # Adam divides by sqrt(v): where a gradient is tiny, rounding moves a weight
+    # by a small fraction of lr (3e-3), hence atol 2e-5 rather than 1e-6.
+    np.testing.assert_allclose(value, want, rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+class LinenLM(nn.Module):
+  """A Linen model annotated with logical names."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = nn.initializers.normal(0.02)
+    x = nn.Embed(64, 32, embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))(tokens)
+    h = nn.Dense(128, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+    x = x + nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(nn.gelu(h))
+    return nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))(x)
+
+
+def test_linen_module_trains_like_plain_jit_with_zero3():
+  module = LinenLM()
+  batches = random_batches(4, batch=16, length=8, vocab=64)
+  spec = meshtrain.linen_spec(module, batches[0]["inputs"])
+  assert spec.names["Dense_0"]["kernel"] == ("embed", "mlp")
+
+  def loss_fn(params, batch):
+    logits = module.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  mesh = meshtrain.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  trainer = meshtrain.Trainer(spec, loss_fn, optax.adamw(1e-2), mesh, zero_stage=3)
+  state = trainer.init()
+  # ZeRO-3 on data x fsdp for the embed dimension, Megatron column split for mlp.
+  assert state.params["Dense_0"]["kernel"].sharding.spec == P(("data", "fsdp"), "tensor")
+  losses = []
+  for batch in batches:
+    state, metrics = trainer.step(state, trainer.place(batch))
+    losses.append(float(metrics["loss"]))
+  ref_losses, ref_params = reference_run(
+      None, spec.init(), optax.adamw(1e-2), batches,
+      apply=lambda p, x: module.apply({"params": p}, x))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_path_patterns_take_the_first_match_and_check_the_rank():
+  params = {"attn": {"query": {"kernel": np.zeros((8, 2, 4))}},
+            "mlp": {"up": {"kernel": np.zeros((8, 16))}, "down": {"kernel": np.zeros((16, 8))}},
+            "norm": {"scale": np.zeros(8)}}
+  names = meshtrain.names_by_path(params, meshtrain.FLAX_TRANSFORMER)
+  assert names["attn"]["query"]["kernel"] == ("embed", "heads", "head_dim")
+  assert names["mlp"]["down"]["kernel"] == ("mlp", "embed")
+  assert names["norm"]["scale"] == (None,)
+  with pytest.raises(ValueError, match=r"names 2 dimensions .* has shape \(8, 2, 4\)"):
+    meshtrain.names_by_path(params, [(r"query/kernel", ("embed", "heads")), (".*", None)])
+  with pytest.raises(ValueError, match="end the list with the catch-all"):
+    meshtrain.names_by_path(params, [(r"query", None)])

@@ -1,0 +1,108 @@
+"""Several processes on one machine, as on several hosts: `meshtrain launch` and jax.distributed.
+
+Two processes of 4 simulated CPU devices each (gloo collectives) against one
+process of 8 devices.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, micro_config, micro_flags
+from meshtrain import distributed
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import host_split
+from meshtrain.train.loop import train
+
+# data=2 spans the two processes, fsdp=4 stays inside each.
+CHANGES = {"mesh.data": 2, "mesh.fsdp": 4, "steps": 6, "checkpoint.every_steps": 3}
+
+
+def logged_losses(workdir):
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("two_processes")
+  result = subprocess.run(
+      [sys.executable, "-m", "meshtrain.cli", "launch", "--num_processes=2",
+       "--devices_per_process=4", "--", "train", f"--config.workdir={workdir}",
+       *micro_flags(**CHANGES)],
+      capture_output=True, text=True, timeout=400, cwd=REPO)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result.stdout
+
+
+def test_two_processes_train_like_one_process_of_eight_devices(two_processes, tmp_path):
+  workdir, stdout = two_processes
+  assert "[0] process 0 of 2: devices [0, 1, 2, 3], batch rows range(0, 8)" in stdout
+  assert "[1] process 1 of 2: devices" in stdout and "batch rows range(8, 16)" in stdout
+  expected = {r["step"]: r["loss"] for r in train(micro_config(**CHANGES, workdir=str(tmp_path)))}
+  got = logged_losses(workdir)
+  assert list(got) == list(expected)
+  np.testing.assert_allclose(list(got.values()), list(expected.values()), rtol=1e-5)
+
+
+def test_a_checkpoint_of_two_processes_continues_in_one(two_processes, tmp_path):
+  workdir, _ = two_processes
+  cfg = micro_config(**CHANGES, workdir=str(tmp_path))
+  cfg.checkpoint.restore_from = str(workdir / "checkpoints/3")
+  resumed = {r["step"]: r["loss"] for r in train(cfg)}
+  two = logged_losses(workdir)
+  assert list(resumed) == [4, 5, 6]
+  np.testing.assert_allclose([resumed[s] for s in resumed], [two[s] for s in resumed], rtol=1e-5)
+
+
+def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
+  timeout_s = 10
+  port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "
+                         "print(free_port())"], capture_output=True, text=True).stdout.strip()
+  processes = [subprocess.Popen(
+      [sys.executable, "-m", "meshtrain.cli", "train", f"--config.workdir={tmp_path}",
+       *micro_flags(**{**CHANGES, "steps": 10_000}), "--config.simulate_devices=4",
+       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+       f"--config.distributed.timeout_s={timeout_s}"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
+  deadline = time.monotonic() + 300
+  metrics = tmp_path / "metrics.jsonl"
+  while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+    assert time.monotonic() < deadline and processes[0].poll() is None
+    time.sleep(0.1)
+  processes[1].kill()
+  killed_at = time.monotonic()
+  _, stderr = processes[0].communicate(timeout=timeout_s + 60)
+  assert processes[0].returncode != 0
+  assert time.monotonic() - killed_at < timeout_s + 30
+  assert "another task died" in stderr
+
+
+def test_processes_split_over_the_axes_named_across_hosts():
+  sizes = {"data": 2, "pipeline": 4, "fsdp": 4, "sequence": 1, "tensor": 1}
+  assert host_split(sizes, ["data"], 2)["data"] == 2
+  split = host_split(sizes, ["data", "pipeline"], 8)
+  assert (split["data"], split["pipeline"], split["fsdp"]) == (2, 4, 1)
+  with pytest.raises(ConfigError, match="config.mesh.across_hosts: 4 processes cannot split "
+                                        "over data=2"):
+    host_split(sizes, ["data"], 4)
+  with pytest.raises(ConfigError, match="'hosts' is not a mesh axis"):
+    host_split(sizes, ["hosts"], 2)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"num_processes": 2, "process_id": 0}, "config.distributed.coordinator_address"),
+    ({"num_processes": 2, "coordinator_address": "127.0.0.1:1234"}, "config.distributed.process_id"),
+    ({"num_processes": -3}, "config.distributed.num_processes"),
+])
+def test_an_incomplete_distributed_config_names_the_key(changes, key):
+  cfg = micro_config()
+  cfg.distributed.update(changes)
+  with pytest.raises(ConfigError) as error:
+    distributed.initialize(cfg.distributed)
+  assert error.value.key == key
