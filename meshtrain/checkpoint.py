@@ -32,7 +32,6 @@ import orbax.checkpoint as ocp
 from meshtrain.errors import ConfigError
 
 
-
 class Checkpoints:
   """The step directories under `directory`, newest `keep` kept."""
 
@@ -67,7 +66,7 @@ class Checkpoints:
     checkpoint does not fit this config, or when it cannot be read.
     """
     path = self.directory / str(step)
-    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract_state, shardings)
     try:
       mismatch = _mismatch(self._manager.item_metadata(step)["state"].tree, target,
