@@ -10,6 +10,7 @@ dtype the caller hands in and cast to `compute_dtype` at each matmul.
 import dataclasses
 from typing import Literal
 
+import flax.core.spmd
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -80,11 +81,29 @@ class Attention(nnx.Module):
     self.wv_DxKxH = _param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
     self.wo_NxHxD = _param(rngs, (n, h, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * h)
 
+  def project_qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v in one matmul when the kv heads are split like the query heads:
+    under tensor parallelism the backward then all-reduces one input gradient,
+    not three (Megatron's fused QKV; XLA's CPU compile does not merge the three).
+    The query heads of a kv group sit next to each other, so [D, N, H] ->
+    [D, K, N/K, H] keeps the head split local."""
+    dtype = x_BxLxD.dtype
+    wq, wk, wv = (w[...].astype(dtype) for w in (self.wq_DxNxH, self.wk_DxKxH, self.wv_DxKxH))
+    rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
+    if rules.get(r.KV_HEADS) != rules.get(r.HEADS):  # kv heads whole, query heads split
+      return (jnp.einsum("bld,dnh->blnh", x_BxLxD, wq), jnp.einsum("bld,dkh->blkh", x_BxLxD, wk),
+              jnp.einsum("bld,dkh->blkh", x_BxLxD, wv))
+    (d, n, h), k = wq.shape, wk.shape[1]
+    w_DxKxGxH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], 2)
+    qkv_BxLxKxGxH = r.constrain(jnp.einsum("bld,dkgh->blkgh", x_BxLxD, w_DxKxGxH),
+                                (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, None, r.HEAD_DIM))
+    batch, length = x_BxLxD.shape[:2]
+    return (qkv_BxLxKxGxH[:, :, :, :-2].reshape(batch, length, n, h),
+            qkv_BxLxKxGxH[:, :, :, -2], qkv_BxLxKxGxH[:, :, :, -1])
+
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
     cfg, dtype = self.cfg, x_BxLxD.dtype
-    q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...].astype(dtype))
-    k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.wk_DxKxH[...].astype(dtype))
-    v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.wv_DxKxH[...].astype(dtype))
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.project_qkv(x_BxLxD)
     q_BxLxNxH = r.constrain(rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta),
                             (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
     k_BxLxKxH = r.constrain(rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta),
@@ -112,8 +131,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     dtype = x_BxLxD.dtype
-    gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dtype))
-    up_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_up_DxF[...].astype(dtype))
+    # Gate and up in one matmul: one all-reduce of the input gradient under
+    # tensor parallelism, not two.
+    w_2xDxF = jnp.stack([self.w_gate_DxF[...], self.w_up_DxF[...]]).astype(dtype)
+    gate_BxLxF, up_BxLxF = r.constrain(jnp.einsum("bld,cdf->cblf", x_BxLxD, w_2xDxF),
+                                       (None, r.BATCH, r.LENGTH, r.ACT_MLP))
     h_BxLxF = r.constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, (r.BATCH, r.LENGTH, r.ACT_MLP))
     return jnp.einsum("blf,fd->bld", h_BxLxF, self.w_down_FxD[...].astype(dtype))
 
