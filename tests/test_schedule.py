@@ -213,8 +213,10 @@ def test_schedule_arrays_are_read_only_int32():
 
 
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_draw_gantt_writes_a_png(tmp_path, name, v):
+def test_draw_gantt_writes_a_png_and_returns_the_figure(tmp_path, name, v):
   path = tmp_path / f"{name}.png"
-  draw.draw_gantt(schedule_lib.build(name, 4, 8, v), str(path))
+  figure = draw.draw_gantt(schedule_lib.build(name, 4, 8, v), str(path))
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert path.stat().st_size > 1000
+  (axes,) = figure.axes
+  assert len(axes.patches) == 2 * 8 * 4 * v  # one box per forward and per backward

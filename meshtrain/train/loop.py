@@ -2,30 +2,28 @@
 
 The loop syncs with the device only when it logs (every `log_every` steps) and
 when a save copies the state to the host; between those, steps queue up while
-the host prepares the next batches. A run resumes from its workdir's newest
-checkpoint, so rerunning the same command after a stop continues the run.
+the host prepares the next batches. A run starts where `resume.start_state`
+says, so rerunning the same command after a stop continues the run.
 """
 
-import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from meshtrain import rules as r
 from meshtrain.analysis.flops import flops_per_token
-from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.train.metrics import MetricsWriter
 from meshtrain.train.preemption import PreemptionRequest
+from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.state import TrainState, model_config
+from meshtrain.train.state import model_config
 
 
 def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
@@ -57,52 +55,6 @@ def describe(setup: Setup) -> str:
                                         setup.rules.params).items():
     lines.append(f"  {share:.1%} of parameter bytes are not split over '{axis}'")
   return "\n".join(lines)
-
-
-def _restore_source(path: str) -> tuple[Checkpoints, int]:
-  """`config.checkpoint.restore_from`: a checkpoints directory (its newest step) or one step in it."""
-  key, path = "config.checkpoint.restore_from", Path(path)
-  directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
-  if not directory.is_dir():
-    raise ConfigError(key, f"{path} does not exist; give a run's checkpoints directory "
-                      "(WORKDIR/checkpoints) or one step directory in it")
-  source = Checkpoints(directory, read_only=True, config_key=key)
-  step = source.latest_step() if step is None else step
-  if step is None or not (directory / str(step)).is_dir():
-    source.close()
-    raise ConfigError(key, f"{path} holds no complete checkpoint")
-  return source, step
-
-
-def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
-  """The state to start from: the workdir's newest checkpoint, else the one
-  `config.checkpoint.restore_from` names, else a fresh init. Everything is read
-  and checked before anything is written. Returns the state, the workdir's
-  checkpoints and where the state came from."""
-  own = source = step = None
-  try:
-    if (Path(cfg.workdir) / "checkpoints").is_dir():
-      own = _own(cfg)
-      source, step = own, own.latest_step()
-    if step is None and cfg.checkpoint.restore_from:
-      source, step = _restore_source(cfg.checkpoint.restore_from)
-    if step is None:
-      return setup.init_state(), own or _own(cfg), "initialized"
-    state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
-  except Exception:
-    for checkpoints in {own, source} - {None}:
-      checkpoints.close()
-    raise
-  if source is not own:
-    source.close()
-  if cfg.nan_policy == "stop":  # a stop's count would freeze the new run at once
-    state = dataclasses.replace(state, nonfinite_steps=jnp.zeros_like(state.nonfinite_steps))
-  return state, own or _own(cfg), f"resumed from {source.directory / str(step)}"
-
-
-def _own(cfg) -> Checkpoints:
-  return Checkpoints(Path(cfg.workdir) / "checkpoints", keep=cfg.checkpoint.keep,
-                     config_key="config.workdir")
 
 
 def train(cfg) -> list[dict]:

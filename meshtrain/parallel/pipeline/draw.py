@@ -15,9 +15,11 @@ _FWD_COLORS = matplotlib.colormaps["Blues"]
 _BWD_COLORS = matplotlib.colormaps["Oranges"]
 
 
-def draw_gantt(schedule: schedule_lib.Schedule, path: str | os.PathLike,
-               fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> None:
-  """Writes a PNG; tick widths follow the lock-step model of `bubble_fraction`.
+def draw_gantt(schedule: schedule_lib.Schedule, path: str | os.PathLike | None = None,
+               fwd_cost: float = 1.0, bwd_cost: float = 2.0) -> Figure:
+  """The chart as a matplotlib Figure (shown inline in a notebook), also written
+  to `path` as a PNG if given; tick widths follow the lock-step model of
+  `bubble_fraction`.
 
   Forwards are blue, backwards orange, darker for later chunks; each box shows
   its microbatch. A fused tick draws F then B on the same row.
@@ -36,7 +38,9 @@ def draw_gantt(schedule: schedule_lib.Schedule, path: str | os.PathLike,
     _box(axes, schedule, "bwd", tick, stage, starts[tick] + offset, chunk_bwd)
   _decorate(axes, schedule, durations.sum(), fwd_cost, bwd_cost)
   figure.tight_layout()
-  figure.savefig(path, dpi=100)
+  if path is not None:
+    figure.savefig(path, dpi=100)
+  return figure
 
 
 def _shade(colors: Colormap, schedule: schedule_lib.Schedule,

@@ -1,0 +1,57 @@
+"""Where a run starts: its workdir's newest checkpoint, another run's, or a fresh init."""
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from meshtrain.checkpoint import Checkpoints
+from meshtrain.errors import ConfigError
+from meshtrain.train.setup import Setup
+from meshtrain.train.state import TrainState
+
+
+def _restore_source(path: str) -> tuple[Checkpoints, int]:
+  """`config.checkpoint.restore_from`: a checkpoints directory (its newest step) or one step in it."""
+  key, path = "config.checkpoint.restore_from", Path(path)
+  directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
+  if not directory.is_dir():
+    raise ConfigError(key, f"{path} does not exist; give a run's checkpoints directory "
+                      "(WORKDIR/checkpoints) or one step directory in it")
+  source = Checkpoints(directory, read_only=True, config_key=key)
+  step = source.latest_step() if step is None else step
+  if step is None or not (directory / str(step)).is_dir():
+    source.close()
+    raise ConfigError(key, f"{path} holds no complete checkpoint")
+  return source, step
+
+
+def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
+  """The state to start from: the workdir's newest checkpoint, else the one
+  `config.checkpoint.restore_from` names, else a fresh init. Everything is read
+  and checked before anything is written. Returns the state, the workdir's
+  checkpoints and where the state came from."""
+  own = source = step = None
+  try:
+    if (Path(cfg.workdir) / "checkpoints").is_dir():
+      own = _own(cfg)
+      source, step = own, own.latest_step()
+    if step is None and cfg.checkpoint.restore_from:
+      source, step = _restore_source(cfg.checkpoint.restore_from)
+    if step is None:
+      return setup.init_state(), own or _own(cfg), "initialized"
+    state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
+  except Exception:
+    for checkpoints in {own, source} - {None}:
+      checkpoints.close()
+    raise
+  if source is not own:
+    source.close()
+  if cfg.nan_policy == "stop":  # a stop's count would freeze the new run at once
+    state = dataclasses.replace(state, nonfinite_steps=jnp.zeros_like(state.nonfinite_steps))
+  return state, own or _own(cfg), f"resumed from {source.directory / str(step)}"
+
+
+def _own(cfg) -> Checkpoints:
+  return Checkpoints(Path(cfg.workdir) / "checkpoints", keep=cfg.checkpoint.keep,
+                     config_key="config.workdir")
