@@ -8,7 +8,9 @@ rules or step (the same model and optax optimizer under plain `jax.jit`: on one
 device, and with `NamedSharding` over 8 devices, batch split, weights
 replicated), then meshtrain under every strategy. Each is compiled once; then
 they take turns, `rounds` times, so that a slow spell of the shared machine hits
-them all alike; a time is the median step. Writes bench/results/strategies.json
+them all alike; a time is the median step. Then each profiles one step
+(`meshtrain.analysis.trace`) for the collective bytes it ran (not every branch
+of the compiled program). Writes bench/results/strategies.json
 and the table between the markers in docs/benchmarks.md.
 """
 
@@ -27,7 +29,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from meshtrain.analysis.plan import analytic  # noqa: E402
-from meshtrain.analysis import hlo  # noqa: E402
+from meshtrain.analysis import hlo, trace  # noqa: E402
 from meshtrain.config import load  # noqa: E402
 from meshtrain.data import make_iterator  # noqa: E402
 from meshtrain.train.loop import to_global  # noqa: E402
@@ -94,14 +96,20 @@ class PlainRunner:
     start = time.perf_counter()
     compiled = self._step.lower(self.state, self.batch).compile()
     self.compile_s = time.perf_counter() - start
-    self.measured_bytes = sum(c.bytes for c in hlo.collectives(compiled, mesh))
     self.analytic_bytes = None  # no rules to model
+    self.compiled, self.mesh = compiled, mesh
     self.step()
     self.times = []
 
   def step(self):
     self.state, loss = self._step(self.state, self.batch)
     jax.block_until_ready(loss)
+
+  def collective_bytes(self) -> int:
+    """Bytes per device of one step as it ran: a profiled step, so that a
+    pipeline's tick, a conditional, counts only the branch it took."""
+    executed = trace.executions(self.step, self.compiled, self.mesh.size)
+    return sum(c.bytes for c in hlo.collectives(self.compiled, self.mesh, executed))
 
   def timed(self, steps):
     for _ in range(steps):
@@ -123,9 +131,9 @@ class Runner(PlainRunner):
     start = time.perf_counter()
     compiled = self.setup.train_step.lower(self.state, self.batch).compile()
     self.compile_s = time.perf_counter() - start
-    self.measured_bytes = sum(c.bytes for c in hlo.collectives(compiled, self.setup.mesh))
     self.analytic_bytes = sum(c["bytes"] for c in analytic(
         cfg, self.setup.spec, self.setup.rules, self.setup.mesh)["collectives"])
+    self.compiled, self.mesh = compiled, self.setup.mesh
     self.step()  # the jitted call compiles once more from its own cache
     self.times = []
 
@@ -148,12 +156,13 @@ def main():
     for name, runner in runners.items():
       print(f"round {round_ + 1}: {name}", flush=True)
       runner.timed(args.steps)
+  measured = {name: runner.collective_bytes() for name, runner in runners.items()}  # after timing
   baseline = np.median(runners["plain jax, data 8 (baseline)"].times)
   dp = np.median(runners["dp (zero 0)"].times)
   rows = [{"strategy": name, "step_time_ratio": float(np.median(r.times) / baseline),
            "step_time_ratio_to_dp": float(np.median(r.times) / dp),
            "step_time_s": float(np.median(r.times)), "compile_s": r.compile_s,
-           "collective_mib_measured": r.measured_bytes / 2**20,
+           "collective_mib_measured": measured[name] / 2**20,
            "collective_mib_analytic": None if r.analytic_bytes is None else r.analytic_bytes / 2**20}
           for name, r in runners.items()]
   table = ["| strategy | step time / plain data 8 | / meshtrain dp | compile s "

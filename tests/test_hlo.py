@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain.analysis import hlo
+from meshtrain.analysis import hlo, trace
 
 MESH_2x4 = ((2, 4), ("data", "fsdp"))
 MESH_2x2x2 = ((2, 2, 2), ("data", "fsdp", "tensor"))
@@ -168,6 +168,25 @@ def test_scan_multiplies_by_trip_count():
   assert hlo.collectives(compiled, mesh) == [
       hlo.Collective("all-reduce", "fsdp", 6, 6 * per_run, True)
   ]
+
+
+def test_a_traced_run_counts_only_the_branches_taken():
+  mesh = make_mesh(*MESH_2x4)
+  spec = P("data", "fsdp")
+  x = jax.device_put(jnp.ones((8, 16), jnp.float32), NamedSharding(mesh, spec))
+
+  def psum_every_third(a):
+    def step(c, i):
+      return lax.cond(i % 3 == 0, lambda c: lax.psum(c, "fsdp") * 0.5, lambda c: c, c), None
+    return lax.scan(step, a, jnp.arange(6))[0]
+
+  compiled = compile_shard_map(mesh, psum_every_third, x, spec, spec)
+  executed = trace.executions(lambda: compiled(x), compiled, mesh.size)
+  per_run = 2 * block_bytes(mesh, x.shape, spec) * 3 // 4
+  assert hlo.collectives(compiled, mesh) == [  # static: the branch as if taken every time
+      hlo.Collective("all-reduce", "fsdp", 6, 6 * per_run, True)]
+  assert hlo.collectives(compiled, mesh, executed) == [
+      hlo.Collective("all-reduce", "fsdp", 2, 2 * per_run, True)]
 
 
 def test_while_without_trip_count_counts_once_and_warns():

@@ -49,7 +49,7 @@ import itertools
 import math
 import re
 import warnings
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 import numpy as np
 from jax.sharding import Mesh
@@ -82,7 +82,8 @@ class Collective:
     axis: mesh axes the groups span, joined by "+" in mesh order ("data",
       "fsdp+tensor"); "" when every group is a single device.
     count: executions per program run; ops in while loops are multiplied by
-      the loop's known trip count.
+      the loop's known trip count. Measured from a run (`executed`), the mean
+      over devices, which may be fractional.
     bytes: bytes one device sends per program run under the ring convention of
       this module's docstring, summed over `count`.
     in_loop: whether the ops sit inside a while-loop body (e.g. a layer scan).
@@ -90,7 +91,7 @@ class Collective:
 
   kind: str
   axis: str
-  count: int
+  count: float
   bytes: int
   in_loop: bool
 
@@ -120,7 +121,7 @@ class CollectiveOp:
   axis: str
   group_size: int
   operand_bytes: int
-  count: int
+  count: float
   bytes: int
   in_loop: bool
   trip_count_known: bool
@@ -505,7 +506,7 @@ def _scattered_elements(module: _Module, inst: _Instruction) -> set[int]:
 
 def _collective_op(module: _Module, inst: _Instruction,
                    coords: list[tuple[int, ...]], mesh: Mesh,
-                   executions: _Executions) -> list[CollectiveOp]:
+                   executions: _Executions, count: float) -> list[CollectiveOp]:
   """One op, or two when a tuple all-reduce is part reduce-scatter."""
   opcode = inst.opcode.removesuffix("-start")
   if opcode == "collective-permute":
@@ -531,8 +532,8 @@ def _collective_op(module: _Module, inst: _Instruction,
           axis=_spanned_axes(groups, coords, mesh),
           group_size=group_size,
           operand_bytes=operand_bytes,
-          count=executions.count,
-          bytes=executions.count * _ring_bytes(kind, operand_bytes, group_size),
+          count=count,
+          bytes=round(count * _ring_bytes(kind, operand_bytes, group_size)),
           in_loop=executions.in_loop,
           trip_count_known=executions.trip_count_known,
       )
@@ -540,7 +541,8 @@ def _collective_op(module: _Module, inst: _Instruction,
   ]
 
 
-def collective_ops(program: str | _HasText, mesh: Mesh) -> list[CollectiveOp]:
+def collective_ops(program: str | _HasText, mesh: Mesh,
+                   executed: Mapping[str, float] | None = None) -> list[CollectiveOp]:
   """Every collective instruction of a compiled program.
 
   Args:
@@ -548,6 +550,9 @@ def collective_ops(program: str | _HasText, mesh: Mesh) -> list[CollectiveOp]:
       the StableHLO of a `Lowered`).
     mesh: the mesh the program was compiled for; device ids are mapped to its
       coordinates.
+    executed: how often each op ran per device in a real run
+      (`meshtrain.analysis.trace.executions`); by default counts are static:
+      loop bodies times their trip count, every conditional branch as if it ran.
 
   Async pairs count once (the `-start`); `-done` ops are skipped. Warns when a
   collective sits in a loop without a known trip count (counted once).
@@ -560,22 +565,27 @@ def collective_ops(program: str | _HasText, mesh: Mesh) -> list[CollectiveOp]:
       for name in executions
       for inst in module.computations[name]
       if inst.opcode.removesuffix("-start") in KINDS
-      for op in _collective_op(module, inst, coords, mesh, executions[inst.computation])
+      for op in _collective_op(
+          module, inst, coords, mesh, executions[inst.computation],
+          executions[inst.computation].count if executed is None else executed.get(inst.name, 0))
   ]
   for op in ops:
-    if not op.trip_count_known:
+    if executed is None and not op.trip_count_known:
       warnings.warn(f"{op.name}: loop without known trip count, counted once")
   return ops
 
 
-def collectives(program: str | _HasText, mesh: Mesh) -> list[Collective]:
+def collectives(program: str | _HasText, mesh: Mesh,
+                executed: Mapping[str, float] | None = None) -> list[Collective]:
   """Collectives of a compiled program, summed by (kind, axis, in_loop).
 
   See `collective_ops` for the arguments and the module docstring for how
   bytes are counted. Sorted by kind (in `KINDS` order), axis, in_loop.
   """
-  totals: dict[tuple[str, str, bool], list[int]] = {}
-  for op in collective_ops(program, mesh):
+  totals: dict[tuple[str, str, bool], list[float]] = {}
+  for op in collective_ops(program, mesh, executed):
+    if not op.count:
+      continue
     total = totals.setdefault((op.kind, op.axis, op.in_loop), [0, 0])
     total[0] += op.count
     total[1] += op.bytes

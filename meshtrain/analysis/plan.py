@@ -11,8 +11,10 @@ The analytic model follows each weight through the three layouts of
       the remaining batch axes, once per step--> optimizer
 
 "Batch axes" are the mesh axes that split the batch (`data`, `fsdp`); the other
-axes a weight is split over (`tensor`) stay split in compute. Bytes follow the
-ring convention of `meshtrain.analysis.hlo`. Activations use Korthikanti et
+axes a weight is split over (`tensor`) stay split in compute. Activations move
+too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
+under `sequence`, the pipeline's sends between stages. Bytes follow the ring
+convention of `meshtrain.analysis.hlo`. Activations use Korthikanti et
 al.'s per-layer formula (bytes for 2-byte activations, scaled to
 `compute_dtype`), plus the float32 logits and their gradient.
 """
@@ -29,6 +31,8 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.mesh import AXES, axis_sizes
+from meshtrain.parallel import sequence
+from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import setup as setup_lib
 from meshtrain.train.state import llama_spec, model_config
 
@@ -57,13 +61,15 @@ class _Comm:
   """Analytic collectives, summed by (kind, axis)."""
   totals: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
 
-  def add(self, kind: str, axes, operand_bytes: float, mesh, count: int = 1) -> None:
+  def add(self, kind: str, axes, operand_bytes: float, mesh, count: float = 1) -> None:
     n = _prod(axes, mesh)
     if n == 1 or operand_bytes == 0:
       return
     per_op = {"all-reduce": 2 * operand_bytes * (n - 1) / n,
               "all-gather": operand_bytes * (n - 1) / n,      # operand = gathered output
-              "reduce-scatter": operand_bytes * (n - 1) / n}[kind]
+              "reduce-scatter": operand_bytes * (n - 1) / n,
+              "all-to-all": operand_bytes * (n - 1) / n,
+              "collective-permute": operand_bytes}[kind]
     total = self.totals[(kind, _label(axes))]
     total[0] += count
     total[1] += per_op * count
@@ -117,20 +123,79 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
   b = cfg.global_batch // accum // _prod(batch_axes, mesh)
   s = cfg.seq_len // mesh.shape["sequence"]
   memory["activations"] += 2 * 4 * b * s * m.vocab_size / mesh.shape["tensor"]  # logits + grad
-  # Megatron tensor parallelism: per attention and MLP block, forward and
-  # backward (and the recomputed forward), one all-reduce of the block's
-  # activations — or with sequence parallelism an all-gather into the block and
-  # a reduce-scatter out of it.
-  blocks = (6 if cfg.remat == "full" else 4) * m.num_layers * accum
-  activation = act_bytes * b * s * m.embed_dim
-  if cfg.tensor_sequence_parallel:
-    comm.add("all-gather", {"tensor"}, activation, mesh, blocks)
-    comm.add("reduce-scatter", {"tensor"}, activation, mesh, blocks)
-  else:
-    comm.add("all-reduce", {"tensor"}, activation, mesh, blocks)
+  _activation_traffic(cfg, mesh, comm)
   memory["total"] = sum(memory.values())
   return {"memory_bytes": {k: int(v) for k, v in memory.items()},
           "collectives": comm.as_list()}
+
+
+def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
+  """Collectives of activations, per step and device.
+
+  Per layer and microbatch, each forward of an attention or MLP block under
+  `tensor` all-reduces its output (Megatron), or with sequence parallelism
+  all-gathers its input and reduce-scatters its output; its backward does the
+  transpose, and re-gathers the input it kept split unless the layer is
+  recomputed (`remat="full"`). A layer runs its forward once, again under full
+  recomputation, and again in a pipeline's backward tick (it recomputes the
+  chunk; the last chunk runs no forward of its own). The embedding lookup in a
+  vocabulary-split table and the head's input gradient are summed over
+  `tensor` once each. Under `sequence` attention moves K and V
+  (`_sequence_attention`). A pipeline sends one activation right and one
+  gradient left every tick.
+  """
+  m = cfg.model
+  act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
+  stages, t = mesh.shape["pipeline"], mesh.shape["tensor"]
+  microbatches = cfg.pipeline.microbatches if stages > 1 else 1
+  rows = cfg.global_batch // cfg.grad_accum_steps // microbatches // _prod(
+      [a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
+  s = cfg.seq_len // mesh.shape["sequence"]
+  activation = act_bytes * rows * s * m.embed_dim
+  passes = cfg.grad_accum_steps * microbatches
+  chunks = stages * cfg.pipeline.virtual_stages
+  # A pipeline runs F on every chunk but the last (its B recomputes it with the
+  # loss), and B recomputes the chunk; on average per device:
+  forwards = (2 - 1 / chunks if stages > 1 else 1) + (cfg.remat == "full")
+  layer_passes = m.num_layers // stages * passes
+  if cfg.tensor_sequence_parallel:
+    comm.add("all-gather", {"tensor"}, activation, mesh,
+             2 * (forwards + 1 + (cfg.remat != "full")) * layer_passes + 2 * passes)
+    comm.add("reduce-scatter", {"tensor"}, activation, mesh,
+             2 * (forwards + 1) * layer_passes + passes)
+  else:
+    comm.add("all-reduce", {"tensor"}, activation, mesh,
+             2 * (forwards + 1) * layer_passes + 2 * passes)
+  if mesh.shape["sequence"] > 1:
+    _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes)
+  if stages > 1:
+    ticks = schedules.build(cfg.pipeline.schedule, stages, microbatches,
+                            cfg.pipeline.virtual_stages).num_ticks
+    sent = activation / (t if cfg.tensor_sequence_parallel else 1)
+    comm.add("collective-permute", {"pipeline"}, sent, mesh, 2 * ticks * cfg.grad_accum_steps)
+
+
+def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
+                        layer_passes: int) -> None:
+  """K/V traffic of context-parallel attention (`meshtrain.parallel.sequence`),
+  per forward and backward of every layer. Sizes are one device's blocks."""
+  m, n, t = cfg.model, mesh.shape["sequence"], mesh.shape["tensor"]
+  token_bytes = jnp.dtype(cfg.compute_dtype).itemsize * rows * cfg.seq_len // n * m.head_dim
+  split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
+  q, kv = token_bytes * split(m.num_heads), token_bytes * split(m.num_kv_heads)
+  strategy = cfg.attention.sequence_strategy
+  if strategy == "all_gather_kv":  # K and V gathered whole; dK and dV scattered back
+    comm.add("all-gather", {"sequence"}, n * kv, mesh, 2 * forwards * layer_passes)
+    comm.add("reduce-scatter", {"sequence"}, 2 * n * kv, mesh, layer_passes)
+  elif strategy == "ulysses":  # q, k, v to head sharding and the output back, both ways
+    repeated = token_bytes * split(sequence.ulysses_kv_heads(m.num_heads, m.num_kv_heads, n, t))
+    for size in (q, repeated, repeated, q):
+      comm.add("all-to-all", {"sequence"}, size, mesh, (forwards + 1) * layer_passes)
+  else:  # ring: n - 1 K/V blocks each forward, n - 1 dK/dV blocks back; zigzag re-layout
+    comm.add("collective-permute", {"sequence"}, 2 * kv, mesh, (n - 1) * (forwards + 1) * layer_passes)
+    moving = sum(any(s != d for s, d in pairs) for pairs in sequence.zigzag_pairs(n)) / 2
+    comm.add("collective-permute", {"sequence"}, moving * (2 * q + 2 * kv), mesh,
+             (forwards + 1) * layer_passes)
 
 
 def _gathers(names, cfg) -> int:
@@ -202,6 +267,10 @@ def _mib(value) -> str:
   return "-" if value is None else f"{value / 2**20:10.2f}"
 
 
+def _count(value) -> str:
+  return "-" if value is None else f"{value:g}"
+
+
 def format_plan(report: dict) -> str:
   shape = " x ".join(f"{a}={s}" for a, s in report["mesh"].items() if s > 1) or "one device"
   zero = f", zero_stage {report['zero_stage']}" if report["mesh"]["data"] > 1 else ""
@@ -221,6 +290,9 @@ def format_plan(report: dict) -> str:
       row[2 * i] = (row[2 * i] or 0) + c["count"]
       row[2 * i + 1] = (row[2 * i + 1] or 0) + c["bytes"]
   for (kind, axis), (count, nbytes, m_count, m_bytes) in sorted(merged.items()):
-    lines.append(f"  {kind + ' ' + axis:<26}{count if count is not None else '-':>9}   {_mib(nbytes)}   "
-                 f"{m_count if m_count is not None else '-':>14}   {_mib(m_bytes)}")
+    lines.append(f"  {kind + ' ' + axis:<26}{_count(count):>9}   {_mib(nbytes)}   "
+                 f"{_count(m_count):>14}   {_mib(m_bytes)}")
+  if "measured" in report and report["mesh"]["pipeline"] > 1:
+    lines.append("  (measured counts are static: every branch of the pipeline's tick as if it "
+                 "ran; bench/strategies.py profiles a real step)")
   return "\n".join(lines)

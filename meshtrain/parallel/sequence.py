@@ -97,10 +97,10 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
   a multiple of n * tensor too, which R is chosen to be where N allows.
   """
   b, length, num_heads, h = q_BxLxNxH.shape
-  num_kv_heads = k_BxLxKxH.shape[2]
   n = mesh.shape[axis]
-  with_tensor = n * mesh.shape.get("tensor", 1) if axis != "tensor" else n
-  kv_heads = math.lcm(num_kv_heads, with_tensor if num_heads % with_tensor == 0 else n)
+  tensor = mesh.shape.get("tensor", 1) if axis != "tensor" else 1
+  num_kv_heads = k_BxLxKxH.shape[2]
+  kv_heads = ulysses_kv_heads(num_heads, num_kv_heads, n, tensor)
   q_BxLxAxSxGxH = q_BxLxNxH.reshape(b, length, kv_heads // n, n, num_heads // kv_heads, h)
   # Pinned to the length split here, or the head split would propagate back
   # through the repeat (and the partitioner would all-gather K and V).
@@ -121,6 +121,11 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
   out_BxLxAxSxGxH = lax.with_sharding_constraint(
       out_BxLxAxSxGxH, P(FREE, axis, FREE, None, FREE, FREE))
   return out_BxLxAxSxGxH.reshape(b, length, num_heads, h)
+
+
+def ulysses_kv_heads(num_heads: int, num_kv_heads: int, n: int, tensor: int) -> int:
+  """R, the kv heads Ulysses repeats K and V to (see `_ulysses`)."""
+  return math.lcm(num_kv_heads, n * tensor if num_heads % (n * tensor) == 0 else n)
 
 
 def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
@@ -146,29 +151,34 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int):
   num_kv_heads = k_BxTxKxH.shape[2]
   c = t // 2
   i = lax.axis_index(axis)
+  # k and v travel as one array (stacked on a new axis, leaving the head split
+  # alone): one exchange per ring step, and in the backward one for dk and dv,
+  # rather than one per tensor.
   q_BxTxKxGxH = _to_zigzag(q_BxTxNxH, axis, n).reshape(
       b, t, num_kv_heads, num_heads // num_kv_heads, h)
-  k_BxTxKxH = _to_zigzag(k_BxTxKxH, axis, n)
-  v_BxTxKxH = _to_zigzag(v_BxTxKxH, axis, n)
+  kv_BxTx2xKxH = _to_zigzag(jnp.stack([k_BxTxKxH, v_BxTxKxH], axis=2), axis, n)
+
+  def attend(q_BxTxKxGxH, kv_BxSx2xKxH, mask_TxS=None):
+    return _block(q_BxTxKxGxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1], mask_TxS)
 
   chunk_pos_C = jnp.arange(c)
   pos_T = jnp.concatenate([i * c + chunk_pos_C, (2 * n - 1 - i) * c + chunk_pos_C])
-  stats = _block(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, pos_T[:, None] >= pos_T[None, :])
+  stats = attend(q_BxTxKxGxH, kv_BxTx2xKxH, pos_T[:, None] >= pos_T[None, :])
 
-  def earlier(stats, k_BxTxKxH, v_BxTxKxH):
-    return _merge(stats, _block(q_BxTxKxGxH, k_BxTxKxH[:, :c], v_BxTxKxH[:, :c]))
+  def earlier(stats, kv_BxTx2xKxH):
+    return _merge(stats, attend(q_BxTxKxGxH, kv_BxTx2xKxH[:, :c]))
 
-  def later(stats, k_BxTxKxH, v_BxTxKxH):
+  def later(stats, kv_BxTx2xKxH):
     # Every statistic has the query position on axis 3.
     first, second = zip(*(jnp.split(s, 2, axis=3) for s in stats))
-    second = _merge(second, _block(q_BxTxKxGxH[:, c:], k_BxTxKxH, v_BxTxKxH))
+    second = _merge(second, attend(q_BxTxKxGxH[:, c:], kv_BxTx2xKxH))
     return tuple(jnp.concatenate(pair, axis=3) for pair in zip(first, second))
 
   ring = [(d, (d + 1) % n) for d in range(n)]
   for step in range(1, n):
-    k_BxTxKxH, v_BxTxKxH = lax.ppermute((k_BxTxKxH, v_BxTxKxH), axis, ring)
+    kv_BxTx2xKxH = lax.ppermute(kv_BxTx2xKxH, axis, ring)
     source = (i - step) % n  # both branches cost the same: devices stay in step
-    stats = lax.cond(source < i, earlier, later, stats, k_BxTxKxH, v_BxTxKxH)
+    stats = lax.cond(source < i, earlier, later, stats, kv_BxTx2xKxH)
 
   o_BxKxGxTxH, _, l_BxKxGxT = stats
   out_BxKxGxTxH = o_BxKxGxTxH / l_BxKxGxT[..., None]
@@ -201,7 +211,7 @@ def _merge(a, b):
   return (o_a * scale_a[..., None] + o_b * scale_b[..., None], m, l_a * scale_a + l_b * scale_b)
 
 
-def _zigzag_pairs(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def zigzag_pairs(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
   """Where chunk c (held by device c // 2) goes: to device c if c < n, else
   2n-1-c. Even chunks and odd chunks each form a permutation."""
   dest = lambda c: c if c < n else 2 * n - 1 - c  # noqa: E731
@@ -216,7 +226,7 @@ def _permute(x: jax.Array, axis: str, pairs: list[tuple[int, int]]) -> jax.Array
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:
   """Contiguous chunks (2i, 2i+1) on device i -> zigzag chunks (i, 2n-1-i)."""
   c = x_BxTxJxH.shape[1] // 2
-  even_pairs, odd_pairs = _zigzag_pairs(n)
+  even_pairs, odd_pairs = zigzag_pairs(n)
   even = _permute(x_BxTxJxH[:, :c], axis, even_pairs)
   odd = _permute(x_BxTxJxH[:, c:], axis, odd_pairs)
   # Chunk i has the parity of i; chunk 2n-1-i the other one.
@@ -229,7 +239,7 @@ def _from_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:
   """The inverse of `_to_zigzag`."""
   c = x_BxTxJxH.shape[1] // 2
   early, late = x_BxTxJxH[:, :c], x_BxTxJxH[:, c:]
-  even_pairs, odd_pairs = _zigzag_pairs(n)
+  even_pairs, odd_pairs = zigzag_pairs(n)
   i_is_even = lax.axis_index(axis) % 2 == 0
   even = _permute(jnp.where(i_is_even, early, late), axis, [(d, s) for s, d in even_pairs])
   odd = _permute(jnp.where(i_is_even, late, early), axis, [(d, s) for s, d in odd_pairs])

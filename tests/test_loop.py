@@ -1,0 +1,25 @@
+"""The training loop compiles its step once: logging and checkpoints cause no recompilation."""
+
+import jax
+
+from conftest import micro_config
+from meshtrain.train.loop import train
+
+
+def test_a_run_compiles_the_train_step_once_across_logs_and_a_save(tmp_path):
+  compiled = []
+
+  def on_compile(event, duration_s, fun_name="", **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(fun_name)
+
+  cfg = micro_config(steps=6, log_every=2, workdir=str(tmp_path))
+  cfg.checkpoint.every_steps = 3
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  try:
+    records = train(cfg)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  assert [r["step"] for r in records] == [1, 2, 4, 6]
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [3, 6]
+  assert compiled.count("jit(step)") == 1, compiled  # TrainStep's jitted `step`
