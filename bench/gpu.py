@@ -1,26 +1,36 @@
 """Tokens/s and MFU of meshtrain's train step on one GPU, bfloat16, over a sweep of settings.
 
-  python bench/gpu.py                       # 1B preset: the sweep below, one subprocess each
-  python bench/gpu.py --model tiny --steps 3 --batch 4 --seq 128   # a smoke run (CPU works too)
+  python bench/gpu.py                                   # 1B preset, every setting below
+  python bench/gpu.py --model llama_3b --batch 4 --settings selective-cudnn,full-cudnn
+  python bench/gpu.py --model tiny --batch 2 --seq 128 --steps 2   # a smoke run (CPU works too)
+  python bench/gpu.py --render a/gpu_llama_1b.json b/gpu_llama_1b.json   # table from JSON made elsewhere
 
-Each setting runs in its own process because XLA flags are read once, at start:
-compile, `--warmup` steps, then `--steps` timed steps (one host sync at the
-end of each, so the device queue never drains between them). MFU counts the
-model FLOPs of `meshtrain.analysis.flops` (6N + attention, recomputation not
-counted) against the device's dense bf16 peak. Writes bench/results/gpu.json and
-the table between the markers in docs/benchmarks.md, with device, jax version
-and date.
+Each setting runs in its own process, because XLA flags are read once at start,
+under `--timeout` seconds: compile, `--warmup` steps, then `--steps` timed steps
+(one host sync at the end, so the device queue never drains between them). A
+setting that fails (out of memory, say) or times out becomes a row saying so.
+MFU counts the model FLOPs of `meshtrain.analysis.flops` (6N + attention,
+recomputation not counted) against the device's dense bf16 peak. The rows go to
+`--out`/gpu_MODEL.json after every setting (so an interrupted sweep keeps what
+it measured) and, at the end, into the table between the markers in
+docs/benchmarks.md, with device, jax version and date.
+
+Imports only meshtrain's model, rules and step (not its data loading, metrics or
+checkpoints), so on a GPU machine with jax, flax and optax the repo runs as it
+is, with ml_collections beside it.
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # runs from a checkout, installed or not
 
 # Dense bf16 peak FLOP/s by device kind (NVIDIA data sheets, SXM parts).
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -28,15 +38,13 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 FAST_XLA = ("--xla_gpu_enable_latency_hiding_scheduler=true "
             "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUDNN,CUSTOM_CALL "
             "--xla_gpu_enable_highest_priority_async_stream=true")
-SETTINGS = {  # name -> (config changes, XLA_FLAGS)
-    "selective, cudnn, fast flags": ({"remat": "selective", "attention.implementation": "cudnn"},
-                                     FAST_XLA),
-    "selective, xla attention, fast flags": ({"remat": "selective",
-                                              "attention.implementation": "xla"}, FAST_XLA),
-    "selective, cudnn, default flags": ({"remat": "selective",
-                                         "attention.implementation": "cudnn"}, ""),
-    "full, cudnn, fast flags": ({"remat": "full", "attention.implementation": "cudnn"}, FAST_XLA),
-    "none, cudnn, fast flags": ({"remat": "none", "attention.implementation": "cudnn"}, FAST_XLA),
+SETTINGS = {  # id -> (config changes, XLA_FLAGS)
+    "selective-cudnn": ({"remat": "selective", "attention.implementation": "cudnn"}, FAST_XLA),
+    "selective-xla": ({"remat": "selective", "attention.implementation": "xla"}, FAST_XLA),
+    "selective-cudnn-default-flags": ({"remat": "selective", "attention.implementation": "cudnn"},
+                                      ""),
+    "full-cudnn": ({"remat": "full", "attention.implementation": "cudnn"}, FAST_XLA),
+    "none-cudnn": ({"remat": "none", "attention.implementation": "cudnn"}, FAST_XLA),
 }
 
 
@@ -44,103 +52,157 @@ def peak_flops(device) -> float:
   return next((peak for kind, peak in PEAK_BF16.items() if kind in device.device_kind), 0.0)
 
 
-def run_one(args, changes: dict) -> dict:
-  """Measures one setting in this process."""
+def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
+            changes: dict) -> dict:
+  """Measures one setting in this process, on its first device."""
   import jax
   import numpy as np
 
   from meshtrain.analysis.flops import flops_per_token
   from meshtrain.config import load
-  from meshtrain.train.loop import to_global
   from meshtrain.train.setup import build
   from meshtrain.train.state import model_config
 
-  cfg = load(REPO / "configs" / f"{args.model}.py")
-  cfg.update(global_batch=args.batch, seq_len=args.seq, param_dtype="bfloat16",
-             compute_dtype="bfloat16", steps=args.warmup + args.steps + 1)
+  cfg = load(REPO / "configs" / f"{model}.py")
+  cfg.update(global_batch=batch_size, seq_len=seq_len, param_dtype="bfloat16",
+             compute_dtype="bfloat16", steps=warmup + steps + 1)
   cfg.mesh.data = 1
   for key, value in changes.items():
     section, _, name = key.rpartition(".")
     (cfg[section] if section else cfg)[name] = value
   setup = build(cfg, jax.devices()[:1])
   state = setup.init_state()
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.model.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
-  batch = to_global({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                    setup.train_step.batch_sharding)
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch_size, seq_len + 1),
+                                             dtype=np.int32)
+  batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                         setup.train_step.batch_sharding)
   start = time.perf_counter()
   compiled = setup.train_step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  for _ in range(args.warmup + 1):
+  for _ in range(warmup + 1):
     state, metrics = setup.train_step(state, batch)
   jax.block_until_ready(metrics)
   start = time.perf_counter()
-  for _ in range(args.steps):
+  for _ in range(steps):
     state, metrics = setup.train_step(state, batch)
   jax.block_until_ready(metrics)
-  step_s = (time.perf_counter() - start) / args.steps
-  tokens_per_s = args.batch * args.seq / step_s
+  step_s = (time.perf_counter() - start) / steps
+  tokens_per_s = batch_size * seq_len / step_s
   device = jax.devices()[0]
   peak = peak_flops(device)
-  model_flops = flops_per_token(model_config(cfg), setup.spec.abstract_params, args.seq)
-  return {"model": args.model, "batch": args.batch, "seq_len": args.seq, **changes,
+  model_cfg = model_config(cfg)
+  model_flops = flops_per_token(model_cfg, setup.spec.abstract_params, seq_len)
+  return {"model": model, "batch": batch_size, "seq_len": seq_len, "steps": steps, **changes,
+          "attention": model_cfg.attention_implementation,
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-          "step_s": step_s, "tokens_per_s": tokens_per_s,
+          "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": model_flops,
           "tflops_per_s": tokens_per_s * model_flops / 1e12,
           "mfu": tokens_per_s * model_flops / peak if peak else None,
           "compile_s": compile_s, "loss": float(metrics["loss"]),
-          "temp_gib": memory.temp_size_in_bytes / 2**30 if memory else None}
+          "temp_gib": memory.temp_size_in_bytes / 2**30 if memory else None,
+          "arguments_gib": memory.argument_size_in_bytes / 2**30 if memory else None}
+
+
+def measure(args, setting: str) -> dict:
+  """One setting in a subprocess with its XLA flags: its row, or the reason it has none."""
+  changes, xla_flags = SETTINGS[setting]
+  # jax takes 75% of GPU memory by default; the 3B preset needs more.
+  env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ,
+         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()}
+  command = [sys.executable, __file__, "--one", setting, "--model", args.model,
+             "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+             "--warmup", str(args.warmup)]
+  try:
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+  except subprocess.TimeoutExpired:
+    return {"setting": setting, "error": f"timed out after {args.timeout} s"}
+  if result.returncode:
+    print(result.stderr[-3000:], flush=True)
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line)]
+    return {"setting": setting,
+            "error": (errors or lines or [f"exit code {result.returncode}"])[-1][:200]}
+  return {"setting": setting, **json.loads(result.stdout.strip().splitlines()[-1])}
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| setting | attention | tokens/s | TFLOP/s | MFU | temp GiB | compile s |",
+           "|---|---|---|---|---|---|---|"]
+  for row in rows:
+    if "error" in row:
+      lines.append(f"| {row['setting']} | failed: {row['error']} | | | | | |")
+    else:
+      lines.append(f"| {row['setting']} | {row['attention']} | {row['tokens_per_s']:,.0f} | "
+                   f"{row['tflops_per_s']:.0f} | {(row['mfu'] or 0):.1%} | "
+                   f"{row['temp_gib'] or 0:.1f} | {row['compile_s']:.0f} |")
+  return "\n".join(lines)
+
+
+def render(rows: list[dict]) -> None:
+  """Writes the rows' table into docs/benchmarks.md (and their JSON into
+  bench/results), stamped with the device, jax version and date they were
+  measured with, wherever this runs."""
+  from report import write_section
+
+  first = next(row for row in rows if "error" not in row)
+  settings = ",".join(row["setting"] for row in rows)
+  write_section(
+      f"gpu_{first['model']}", rows,
+      f"{first['model']}, batch {first['batch']} x {first['seq_len']} tokens, bfloat16\n\n"
+      f"{table(rows)}",
+      command=f"python bench/gpu.py --model {first['model']} --batch {first['batch']} "
+              f"--seq {first['seq_len']} --steps {first['steps']} --settings {settings}",
+      measured_on=f"{first['date']}, jax {first['jax']}, one {first['device']}")
 
 
 def sweep(args) -> None:
-  sys.path.insert(0, str(REPO / "bench"))
-  from report import write_section
-
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
   rows = []
-  for name, (changes, xla_flags) in SETTINGS.items():
-    print(f"{name} ...", flush=True)
-    env = {**os.environ, "XLA_FLAGS": xla_flags}
-    result = subprocess.run(
-        [sys.executable, __file__, "--one", json.dumps(changes), "--model", args.model,
-         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-         "--warmup", str(args.warmup)], env=env, capture_output=True, text=True)
-    if result.returncode:
-      print(result.stderr[-2000:], flush=True)
-      rows.append({"setting": name, "error": result.stderr.strip().splitlines()[-1][:200]})
-      continue
-    rows.append({"setting": name, **json.loads(result.stdout.strip().splitlines()[-1])})
-    print(f"  {rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU {rows[-1]['mfu'] or 0:.1%}", flush=True)
-  table = ["| setting | tokens/s | TFLOP/s | MFU | temp GiB | compile s |", "|---|---|---|---|---|---|"]
-  for row in rows:
-    if "error" in row:
-      table.append(f"| {row['setting']} | failed: {row['error']} | | | | |")
-    else:
-      table.append(f"| {row['setting']} | {row['tokens_per_s']:,.0f} | {row['tflops_per_s']:.0f} | "
-                   f"{(row['mfu'] or 0):.1%} | {row['temp_gib'] or 0:.1f} | {row['compile_s']:.0f} |")
-  ok = [row for row in rows if "error" not in row]
-  device = ok[0]["device"] if ok else "?"
-  write_section(f"gpu_{args.model}", rows, f"{args.model}, batch {args.batch} x {args.seq} "
-                f"tokens, bfloat16, one {device}\n\n" + "\n".join(table),
-                command=f"python bench/gpu.py --model {args.model} --batch {args.batch} "
-                        f"--seq {args.seq} --steps {args.steps}")
-  print("\n".join(table))
+  for setting in args.settings.split(","):
+    print(f"{setting} ...", flush=True)
+    rows.append(measure(args, setting))
+    (out / f"gpu_{args.model}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    row = rows[-1]
+    print(f"  {row['error']}" if "error" in row else
+          f"  {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu'] or 0:.1%}", flush=True)
+  print(table(rows))
+  if any("error" not in row for row in rows):
+    render(rows)
 
 
 def main():
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="llama_1b", help="a model preset in configs/")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--one", help="internal: measure one setting (JSON changes) and print JSON")
+  parser.add_argument("--settings", default=",".join(SETTINGS),
+                      help=f"comma-separated, of: {', '.join(SETTINGS)}")
+  parser.add_argument("--timeout", type=int, default=300, help="seconds per setting")
+  parser.add_argument("--out", default=str(REPO / "bench" / "results"),
+                      help="folder for gpu_MODEL.json, written after every setting")
+  parser.add_argument("--render", metavar="JSON", nargs="+",
+                      help="write the docs table from gpu_MODEL.json files measured elsewhere")
+  parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one setting, JSON on stdout
   args = parser.parse_args()
-  if args.one is None:
-    sweep(args)
+  unknown = set(args.settings.split(",")) - set(SETTINGS)
+  if unknown:
+    parser.error(f"unknown settings {', '.join(sorted(unknown))}; choose from {', '.join(SETTINGS)}")
+  if args.render:
+    # Sweeps split over several runs: a later row of a setting replaces an earlier one.
+    rows = {row["setting"]: row for path in args.render for row in json.loads(Path(path).read_text())}
+    if all("error" in row for row in rows.values()):
+      parser.error(f"{' '.join(args.render)} hold no measured setting")
+    render(list(rows.values()))
+  elif args.one:
+    print(json.dumps(run_one(args.model, args.batch, args.seq, args.steps, args.warmup,
+                             SETTINGS[args.one][0])))
   else:
-    print(json.dumps(run_one(args, json.loads(args.one))))
+    sweep(args)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,15 @@ BENCHMARKS = REPO / "docs" / "benchmarks.md"
 
 
 def write_section(name: str, rows: list[dict], table: str, command: str,
-                  doc: Path = BENCHMARKS) -> None:
+                  doc: Path = BENCHMARKS, measured_on: str | None = None) -> None:
+  """`measured_on` (date, jax version, machine) for rows measured elsewhere;
+  by default this process's."""
   (REPO / "bench" / "results").mkdir(exist_ok=True)
   (REPO / "bench" / "results" / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
-  stamp = (f"`{command}` — {datetime.date.today()}, jax {jax.__version__}, "
-           f"{jax.devices()[0].platform} x{jax.device_count()}, {platform.processor() or platform.machine()}")
+  measured_on = measured_on or (
+      f"{datetime.date.today()}, jax {jax.__version__}, {jax.devices()[0].platform} "
+      f"x{jax.device_count()}, {platform.processor() or platform.machine()}")
+  stamp = f"`{command}` — {measured_on}"
   section = f"<!-- {name} -->\n{stamp}\n\n{table}\n<!-- /{name} -->"
   text = doc.read_text()
   start, end = f"<!-- {name} -->", f"<!-- /{name} -->"

@@ -1,12 +1,18 @@
 """Model properties that sharding must not change and a trainer relies on."""
 
+import re
+import types
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import micro_config
-from meshtrain.models.llama import Llama, rotary
+from meshtrain.models.llama import Llama, attention_implementation, rotary, vocab_logits
+from meshtrain.train.loss import cross_entropy
 from meshtrain.train.state import model_config
 
 
@@ -64,3 +70,55 @@ def test_tied_embeddings_drop_the_output_head():
   untied, tied = make(), make(model=dict(tie_embeddings=True))
   assert count(untied) - count(tied) == 64 * 32
   assert tied(tokens()).shape == (2, 16, 64)
+
+
+H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+MI300 = types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X")
+
+
+@pytest.mark.parametrize("requested, dtype, head_dim, device, expected", [
+    ("", "bfloat16", 64, H100, "cudnn"),        # flash attention where it runs
+    ("", "float32", 64, H100, "xla"),           # cuDNN's flash kernel is 16-bit only
+    ("", "bfloat16", 160, H100, "xla"),         # head_dim over 128
+    ("", "bfloat16", 60, H100, "xla"),          # head_dim not a multiple of 8
+    ("", "bfloat16", 64, MI300, "xla"),         # no cuDNN
+    ("", "bfloat16", 64, jax.devices()[0], "xla"),  # this CPU
+    ("cudnn", "float32", 64, jax.devices()[0], "cudnn"),  # asked for: jax says if it cannot
+])
+def test_best_attention_is_flash_only_where_cudnn_runs_it(requested, dtype, head_dim, device,
+                                                           expected):
+  assert attention_implementation(requested, dtype, head_dim, device) == expected
+
+
+def _head_case(dtype):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x_BxLxD = jax.random.normal(kx, (2, 4, 8)).astype(dtype)
+  w_DxV = jax.random.normal(kw, (8, 16)).astype(dtype)
+  targets_BxL = jnp.arange(8).reshape(2, 4)
+  return x_BxLxD, w_DxV, targets_BxL
+
+
+def test_vocab_logits_gradients_are_autodiffs_in_float32():
+  x, w, targets = _head_case(jnp.float32)
+  def loss(logits_fn):
+    return jax.grad(lambda x, w: cross_entropy(logits_fn(x, w), targets), argnums=(0, 1))(x, w)
+  chex.assert_trees_all_close(loss(vocab_logits),
+                              loss(lambda x, w: jnp.einsum("bld,dv->blv", x, w)), rtol=1e-6)
+
+
+def _matmul_operands(fn, *args) -> list[tuple[str, str]]:
+  """The operand types of every matmul in the lowered program."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+
+
+def test_bfloat16_logits_backward_multiplies_bfloat16():
+  x, w, targets = _head_case(jnp.bfloat16)
+  def grads(logits_fn):
+    return jax.grad(lambda x, w: cross_entropy(logits_fn(x, w), targets), argnums=(0, 1))
+  ours = _matmul_operands(grads(vocab_logits), x, w)
+  assert len(ours) == 3 and all("bf16" in a and "bf16" in b for a, b in ours)
+  # jax's own transpose of the same float32-output matmul takes the float32 gradient.
+  plain = _matmul_operands(grads(lambda x, w: jnp.einsum("bld,dv->blv", x, w,
+                                                         preferred_element_type=jnp.float32)), x, w)
+  assert sum("f32" in a or "f32" in b for a, b in plain) == 2

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import micro_config
 from meshtrain.analysis import hlo, trace
-from meshtrain.analysis.plan import analytic
+from meshtrain.analysis.plan import abstract_mesh, activation_bytes, analytic
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
 from meshtrain.train.setup import build
@@ -66,3 +66,14 @@ def test_activation_traffic_matches_the_analytic_model(strategy):
   assert set(measured) == set(predicted) != set()
   for axis in measured:
     assert measured[axis] == pytest.approx(predicted[axis], rel=0.10), axis
+
+
+def test_flash_attention_stores_no_scores():
+  """Korthikanti et al.'s 5·a·s²·b bytes per layer (2-byte activations) are
+  the attention scores, softmax and dropout mask; cuDNN's flash attention
+  keeps none of them."""
+  xla, cudnn = (micro_config(**{"attention.implementation": impl}) for impl in ("xla", "cudnn"))
+  one_device = abstract_mesh(xla.mesh, 1)
+  m = xla.model
+  assert (activation_bytes(xla, one_device) - activation_bytes(cudnn, one_device) ==
+          m.num_layers * 5 * m.num_heads * xla.seq_len**2 * xla.global_batch)

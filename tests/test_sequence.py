@@ -114,14 +114,38 @@ def test_ring_zigzag_layout_and_its_inverse():
   n = 4
   mesh = mesh_of(sequence=n, data=2)
   positions_1xLx1x1 = jnp.arange(2 * n * 3)[None, :, None, None]  # chunks of 3 tokens
-  by_length = P(None, "sequence")
   with jax.set_mesh(mesh):
-    zigzag = jax.jit(jax.shard_map(lambda x: sequence._to_zigzag(x, "sequence", n),
-                                   in_specs=by_length, out_specs=by_length,
-                                   axis_names={"sequence"}))(positions_1xLx1x1)
-    back = jax.jit(jax.shard_map(lambda x: sequence._from_zigzag(x, "sequence", n),
-                                 in_specs=by_length, out_specs=by_length,
-                                 axis_names={"sequence"}))(zigzag)
+    zigzag = jax.jit(functools.partial(sequence.to_zigzag, mesh=mesh))(positions_1xLx1x1)
+    back = jax.jit(functools.partial(sequence.from_zigzag, mesh=mesh))(zigzag)
   chunks = np.asarray(zigzag).reshape(2 * n, 3)[:, 0] // 3
   np.testing.assert_array_equal(chunks, [0, 7, 1, 6, 2, 5, 3, 4])
+  np.testing.assert_array_equal(zigzag.reshape(-1), sequence.zigzag_order(2 * n * 3, n))
   np.testing.assert_array_equal(back, positions_1xLx1x1)
+
+
+def test_ring_on_zigzag_inputs_skips_the_relayouts():
+  """What the model does under ring: q, k, v arrive in zigzag order and the
+  output stays so; only the ring's own K/V sends remain."""
+  n = 4
+  mesh = mesh_of(sequence=n, data=2)
+  q, k, v, cotangent = qkv()
+  expected_out, expected_grads = output_and_grads(
+      functools.partial(jax.nn.dot_product_attention, is_causal=True), q, k, v, cotangent)
+  order = sequence.zigzag_order(q.shape[1], n)
+
+  def attention(q, k, v):
+    return sequence.sequence_attention(q, k, v, strategy="ring", mesh=mesh, zigzag=True)
+
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  with jax.set_mesh(mesh):
+    args = jax.device_put([x[:, order] for x in (q, k, v, cotangent)], sharding)
+    compiled = jax.jit(functools.partial(output_and_grads, attention)).lower(*args).compile()
+    out, grads = compiled(*args)
+  np.testing.assert_allclose(out, expected_out[:, order], rtol=1e-5, atol=1e-5)
+  for grad, expected in zip(grads, expected_grads):
+    np.testing.assert_allclose(grad, expected[:, order], rtol=1e-5, atol=1e-5)
+  # n - 1 sends of K and V forward and of their gradients backward, nothing else.
+  permutes = [c for c in hlo.collectives(compiled, mesh) if c.kind == "collective-permute"]
+  assert sum(c.count for c in permutes) == 2 * (n - 1)
+  with pytest.raises(ValueError, match="only the ring strategy takes the zigzag layout"):
+    sequence.sequence_attention(q, k, v, strategy="ulysses", mesh=mesh, zigzag=True)

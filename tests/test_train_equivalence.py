@@ -1,7 +1,13 @@
 """Sharded training equals unsharded plain-jit training (float32).
 
-Tolerance: losses and parameters after 5 AdamW steps agree to rtol 1e-5,
-atol 1e-6; what differs is only the order of float32 reductions.
+Tolerance: losses and parameters after 5 AdamW steps agree to rtol 1e-5;
+what differs is only the order of float32 reductions. Absolute: losses 1e-6,
+parameters 1e-3 x the peak learning rate (3e-6 here, against moves of up to
+8e-3): Adam divides each gradient by its running RMS, so where an element's
+gradients nearly cancel, a reordered float32 sum changes its update by more
+than float32's epsilon (seen: 1.3e-6 once in 16,384 weights of the 8-layer
+interleaved pipeline on one x86 CPU), while a wrong gradient changes updates by
+the order of the learning rate.
 """
 
 import chex
@@ -66,7 +72,8 @@ def test_matches_unsharded_plain_jit(case):
   ref_losses, ref_params = reference_run(setup.spec.graphdef, initial, setup.optimizer, batches)
 
   chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-5,
+                              atol=1e-3 * cfg.optimizer.learning_rate)
   moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params, initial)
   assert min(jax.tree.leaves(moved)) > 0  # every weight was updated
 

@@ -16,7 +16,8 @@ too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
 under `sequence`, the pipeline's sends between stages. Bytes follow the ring
 convention of `meshtrain.analysis.hlo`. Activations use Korthikanti et
 al.'s per-layer formula (bytes for 2-byte activations, scaled to
-`compute_dtype`), plus the float32 logits and their gradient.
+`compute_dtype`; no attention scores under cuDNN's flash attention), plus the
+float32 logits and their gradient.
 """
 
 import collections
@@ -167,7 +168,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
     comm.add("all-reduce", {"tensor"}, activation, mesh,
              2 * (forwards + 1) * layer_passes + 2 * passes)
   if mesh.shape["sequence"] > 1:
-    _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes)
+    _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if stages > 1:
     ticks = schedules.build(cfg.pipeline.schedule, stages, microbatches,
                             cfg.pipeline.virtual_stages).num_ticks
@@ -176,11 +177,12 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
 
 
 def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
-                        layer_passes: int) -> None:
+                        layer_passes: int, passes: int) -> None:
   """K/V traffic of context-parallel attention (`meshtrain.parallel.sequence`),
   per forward and backward of every layer. Sizes are one device's blocks."""
   m, n, t = cfg.model, mesh.shape["sequence"], mesh.shape["tensor"]
-  token_bytes = jnp.dtype(cfg.compute_dtype).itemsize * rows * cfg.seq_len // n * m.head_dim
+  act_bytes, tokens = jnp.dtype(cfg.compute_dtype).itemsize, rows * cfg.seq_len // n
+  token_bytes = act_bytes * tokens * m.head_dim
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
   q, kv = token_bytes * split(m.num_heads), token_bytes * split(m.num_kv_heads)
   strategy = cfg.attention.sequence_strategy
@@ -191,11 +193,14 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
     repeated = token_bytes * split(sequence.ulysses_kv_heads(m.num_heads, m.num_kv_heads, n, t))
     for size in (q, repeated, repeated, q):
       comm.add("all-to-all", {"sequence"}, size, mesh, (forwards + 1) * layer_passes)
-  else:  # ring: n - 1 K/V blocks each forward, n - 1 dK/dV blocks back; zigzag re-layout
+  else:  # ring: n - 1 K/V blocks each forward, n - 1 dK/dV blocks back
     comm.add("collective-permute", {"sequence"}, 2 * kv, mesh, (n - 1) * (forwards + 1) * layer_passes)
+    # The model runs in zigzag order: int32 tokens in, the last activations out
+    # (and their gradient back).
     moving = sum(any(s != d for s, d in pairs) for pairs in sequence.zigzag_pairs(n)) / 2
-    comm.add("collective-permute", {"sequence"}, moving * (2 * q + 2 * kv), mesh,
-             (forwards + 1) * layer_passes)
+    comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, passes)
+    comm.add("collective-permute", {"sequence"}, moving * act_bytes * tokens * m.embed_dim, mesh,
+             2 * passes)
 
 
 def _gathers(names, cfg) -> int:
@@ -219,7 +224,9 @@ def activation_bytes(cfg, mesh) -> float:
   sbh = s * b * h
   sp = cfg.tensor_sequence_parallel
   stored = 34 / t if sp else 10 + 24 / t          # norms, residuals, matmul inputs, MLP
-  attention = 5 * a * s / (h * t)                  # scores, softmax, dropout mask
+  # Scores, softmax and dropout mask; cuDNN's flash attention stores none of them.
+  flash = mesh.shape["sequence"] == 1 and model_config(cfg).attention_implementation == "cudnn"
+  attention = 0 if flash else 5 * a * s / (h * t)
   if cfg.remat == "full":   # the layer inputs, plus one layer being recomputed
     return 2 * sbh / (t if sp else 1) * m.num_layers + sbh * (stored + attention)
   if cfg.remat == "selective":

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain import rules as r
-from meshtrain.parallel.sequence import sequence_attention
+from meshtrain.parallel import sequence
 
 Remat = Literal["none", "full", "selective"]
 
@@ -36,7 +36,7 @@ class LlamaConfig:
   compute_dtype: str = "float32"
   remat: Remat = "none"
   sequence_strategy: str = "all_gather_kv"  # attention when `sequence` splits the length
-  attention_implementation: str | None = None  # jax.nn.dot_product_attention's: None (best), xla, cudnn
+  attention_implementation: str = "xla"  # jax.nn.dot_product_attention's: xla | cudnn (flash)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
@@ -58,6 +58,22 @@ class RMSNorm(nnx.Module):
     x32 = x_BxLxD.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def attention_implementation(requested: str, compute_dtype: str, head_dim: int,
+                             device: jax.Device) -> str:
+  """What `attention.implementation=""` (the best available) means on `device`.
+
+  jax's own default (None) is XLA's attention on every platform (jax 0.10),
+  which stores the [batch, heads, length, length] scores for the backward.
+  cuDNN's flash attention stores none and is the faster kernel, where it runs:
+  NVIDIA GPUs, 16-bit activations, a head_dim that is a multiple of 8 up to 128.
+  """
+  if requested:
+    return requested
+  flash = (device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
+           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+  return "cudnn" if flash else "xla"
 
 
 def rotary(x_BxLxNxH: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
@@ -111,8 +127,9 @@ class Attention(nnx.Module):
     v_BxLxKxH = r.constrain(v_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.shape.get("sequence", 1) > 1:
-      out_BxLxNxH = sequence_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
-                                       strategy=cfg.sequence_strategy, mesh=mesh)
+      out_BxLxNxH = sequence.sequence_attention(
+          q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, strategy=cfg.sequence_strategy, mesh=mesh,
+          zigzag=zigzag_layout(cfg, mesh))
     else:
       out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
                                                  implementation=cfg.attention_implementation)
@@ -181,6 +198,35 @@ class Embed(nnx.Module):
                        (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
 
 
+@jax.custom_vjp
+def vocab_logits(x_BxLxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  """`x @ w` to float32 logits, whose backward multiplies in the inputs' dtype.
+
+  jax's own transpose of a bfloat16 x bfloat16 -> float32 matmul multiplies the
+  float32 logit gradient with the bfloat16 operands: two float32 (at best TF32)
+  GEMMs on the largest matmuls of a small model, reading a [batch, length,
+  vocab] gradient twice the size. Here that gradient is cast to the inputs'
+  dtype first, as every other activation gradient already is; in float32 the
+  two are the same.
+  """
+  return jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV, preferred_element_type=jnp.float32)
+
+
+def _vocab_logits_fwd(x_BxLxD, w_DxV):
+  return vocab_logits(x_BxLxD, w_DxV), (x_BxLxD, w_DxV)
+
+
+def _vocab_logits_bwd(residuals, g_BxLxV):
+  x_BxLxD, w_DxV = residuals
+  g_BxLxV = g_BxLxV.astype(x_BxLxD.dtype)
+  g_x = jnp.einsum("blv,dv->bld", g_BxLxV, w_DxV, preferred_element_type=jnp.float32)
+  g_w = jnp.einsum("bld,blv->dv", x_BxLxD, g_BxLxV, preferred_element_type=jnp.float32)
+  return g_x.astype(x_BxLxD.dtype), g_w.astype(w_DxV.dtype)
+
+
+vocab_logits.defvjp(_vocab_logits_fwd, _vocab_logits_bwd)
+
+
 class Head(nnx.Module):
   """Final norm and output projection to float32 logits (vocabulary-parallel
   under `tensor`); with tied embeddings the projection is the embedding table."""
@@ -194,8 +240,7 @@ class Head(nnx.Module):
   def __call__(self, x_BxLxD: jax.Array, tied_VxD: jax.Array | None = None) -> jax.Array:
     x_BxLxD = self.final_norm(x_BxLxD)
     head_DxV = tied_VxD.T if tied_VxD is not None else self.head_DxV[...]
-    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
-                              preferred_element_type=jnp.float32)
+    logits_BxLxV = vocab_logits(x_BxLxD, head_DxV.astype(x_BxLxD.dtype))
     return r.constrain(logits_BxLxV, (r.BATCH, r.LENGTH, r.ACT_VOCAB))
 
 
@@ -226,6 +271,14 @@ def positions(tokens_BxL: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape[:2])
 
 
+def zigzag_layout(cfg: LlamaConfig, mesh) -> bool:
+  """Whether the layers run in ring attention's zigzag token order: then
+  attention needs no re-layout of q, k, v and its output in every layer, only
+  the tokens going in and the last activations coming out do."""
+  return (cfg.sequence_strategy == "ring" and not mesh.empty
+          and mesh.shape.get("sequence", 1) > 1)
+
+
 class Llama(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
@@ -236,6 +289,14 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     """Returns float32 logits [batch, length, vocab]."""
-    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions(tokens_BxL),
-                         self.cfg.remat)
+    mesh = jax.sharding.get_abstract_mesh()
+    zigzag = zigzag_layout(self.cfg, mesh)
+    positions_BxL = positions(tokens_BxL)
+    if zigzag:  # each token keeps its position, wherever it sits
+      order_L = sequence.zigzag_order(tokens_BxL.shape[1], mesh.shape["sequence"])
+      positions_BxL = jnp.broadcast_to(jnp.asarray(order_L), tokens_BxL.shape)
+      tokens_BxL = sequence.to_zigzag(tokens_BxL, mesh)
+    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions_BxL, self.cfg.remat)
+    if zigzag:
+      x_BxLxD = sequence.from_zigzag(x_BxLxD, mesh)
     return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None)

@@ -16,7 +16,10 @@ automatic and compose:
                  tokens are re-laid out zigzag inside (device i holds chunks i
                  and 2n-1-i of 2n), so every device does the same work.
 
-Inputs and outputs keep the caller's contiguous layout; rotary positions are
+Inputs and outputs keep the caller's contiguous layout, or for ring the zigzag
+one (`to_zigzag`, `zigzag=True`): a model that keeps its activations in zigzag
+order from the embedding to the head (as `meshtrain.models.llama` does) saves
+two re-layouts of q, k, v and the output per layer. Rotary positions are
 applied by the caller.
 
 Checked with jax 0.10.2 (Shardy): `lax.all_gather` and `lax.all_to_all` inside
@@ -34,6 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -42,13 +46,17 @@ FREE = P.UNCONSTRAINED
 
 
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
-                       strategy: str, mesh: Mesh, axis: str = "sequence") -> jax.Array:
+                       strategy: str, mesh: Mesh, axis: str = "sequence",
+                       zigzag: bool = False) -> jax.Array:
   """Causal grouped-query attention over a length sharded on `axis`; equal to
   `jax.nn.dot_product_attention(q, k, v, is_causal=True)` on the whole sequence.
+  With `zigzag` (ring only) q, k, v and the output are in `to_zigzag` order.
   Call it under `jax.jit` with `mesh` set (`jax.set_mesh`)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence attention strategy {strategy!r}; "
                      f"choose one of {', '.join(STRATEGIES)}")
+  if zigzag and strategy != "ring":
+    raise ValueError(f"only the ring strategy takes the zigzag layout, not {strategy!r}")
   _, length, num_heads, _ = q_BxLxNxH.shape
   num_kv_heads = k_BxLxKxH.shape[2]
   if num_heads % num_kv_heads:
@@ -65,7 +73,9 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   if length % chunks:
     raise ValueError(f"strategy {strategy!r} on {n} devices needs the length ({length}) "
                      f"to be a multiple of {chunks}")
-  attention = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses, "ring": _ring}[strategy]
+  if strategy == "ring":
+    return _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis, zigzag=zigzag)
+  attention = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses}[strategy]
   return attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis)
 
 
@@ -128,17 +138,19 @@ def ulysses_kv_heads(num_heads: int, num_kv_heads: int, n: int, tensor: int) -> 
   return math.lcm(num_kv_heads, n * tensor if num_heads % (n * tensor) == 0 else n)
 
 
-def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
-  """The zigzag re-layout costs a second exchange of q, k and v and one of the
-  output, and buys balance: the busiest device computes (n + 1) / 2 blocks of
-  T x T scores instead of n in a contiguous ring (the last device sees all)."""
+def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str, zigzag: bool):
+  """The zigzag layout buys balance: the busiest device computes (n + 1) / 2
+  blocks of T x T scores instead of n in a contiguous ring (the last device
+  sees all). From a contiguous layout it costs a second exchange of q, k and v
+  and one of the output."""
   by_length = P(None, axis)
-  return jax.shard_map(functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis]),
-                       mesh=mesh, in_specs=(by_length,) * 3, out_specs=by_length,
-                       axis_names={axis})(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+  return jax.shard_map(
+      functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis], zigzag=zigzag),
+      mesh=mesh, in_specs=(by_length,) * 3, out_specs=by_length,
+      axis_names={axis})(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
 
 
-def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int):
+def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: bool):
   """Ring attention on the zigzag layout with an online softmax.
 
   After `_to_zigzag` device i holds chunks i and 2n-1-i (C tokens each). Its own
@@ -154,9 +166,9 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int):
   # k and v travel as one array (stacked on a new axis, leaving the head split
   # alone): one exchange per ring step, and in the backward one for dk and dv,
   # rather than one per tensor.
-  q_BxTxKxGxH = _to_zigzag(q_BxTxNxH, axis, n).reshape(
-      b, t, num_kv_heads, num_heads // num_kv_heads, h)
-  kv_BxTx2xKxH = _to_zigzag(jnp.stack([k_BxTxKxH, v_BxTxKxH], axis=2), axis, n)
+  relayout = (lambda x: x) if zigzag else functools.partial(_to_zigzag, axis=axis, n=n)
+  q_BxTxKxGxH = relayout(q_BxTxNxH).reshape(b, t, num_kv_heads, num_heads // num_kv_heads, h)
+  kv_BxTx2xKxH = relayout(jnp.stack([k_BxTxKxH, v_BxTxKxH], axis=2))
 
   def attend(q_BxTxKxGxH, kv_BxSx2xKxH, mask_TxS=None):
     return _block(q_BxTxKxGxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1], mask_TxS)
@@ -182,8 +194,9 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int):
 
   o_BxKxGxTxH, _, l_BxKxGxT = stats
   out_BxKxGxTxH = o_BxKxGxTxH / l_BxKxGxT[..., None]
-  out_BxTxNxH = out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, h)
-  return _from_zigzag(out_BxTxNxH.astype(q_BxTxNxH.dtype), axis, n)
+  out_BxTxNxH = out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, h).astype(
+      q_BxTxNxH.dtype)
+  return out_BxTxNxH if zigzag else _from_zigzag(out_BxTxNxH, axis, n)
 
 
 def _block(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_TxS=None):
@@ -221,6 +234,30 @@ def zigzag_pairs(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
 def _permute(x: jax.Array, axis: str, pairs: list[tuple[int, int]]) -> jax.Array:
   """`lax.ppermute`, skipped when it moves nothing (XLA keeps such copies)."""
   return x if all(s == d for s, d in pairs) else lax.ppermute(x, axis, pairs)
+
+
+def zigzag_order(length: int, n: int) -> np.ndarray:
+  """The position of each slot of the zigzag layout on n devices: device i holds
+  chunks i and 2n-1-i of 2n (slots i*L/n onwards)."""
+  chunks = np.arange(length).reshape(2 * n, length // (2 * n))
+  return np.concatenate([chunks[[i, 2 * n - 1 - i]] for i in range(n)]).reshape(length)
+
+
+def to_zigzag(x_BxL: jax.Array, mesh: Mesh, axis: str = "sequence") -> jax.Array:
+  """`x[:, zigzag_order(L, n)]` for any [batch, length, ...] array whose length
+  is split over `axis`, in two collective-permutes."""
+  return _relayout(_to_zigzag, x_BxL, mesh, axis)
+
+
+def from_zigzag(x_BxL: jax.Array, mesh: Mesh, axis: str = "sequence") -> jax.Array:
+  """The inverse of `to_zigzag`."""
+  return _relayout(_from_zigzag, x_BxL, mesh, axis)
+
+
+def _relayout(relayout, x_BxL: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
+  by_length = P(None, axis)
+  return jax.shard_map(functools.partial(relayout, axis=axis, n=mesh.shape[axis]), mesh=mesh,
+                       in_specs=by_length, out_specs=by_length, axis_names={axis})(x_BxL)
 
 
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:

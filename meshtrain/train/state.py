@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain import rules as r
-from meshtrain.models.llama import Llama, LlamaConfig
+from meshtrain.models.llama import Llama, LlamaConfig, attention_implementation
 from meshtrain.models.patterns import Patterns, names_by_path, path_string
 
 
@@ -41,9 +41,11 @@ class ModelSpec:
 
 
 def model_config(cfg) -> LlamaConfig:
+  implementation = attention_implementation(cfg.attention.implementation, cfg.compute_dtype,
+                                            cfg.model.head_dim, jax.devices()[0])
   return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat,
                      sequence_strategy=cfg.attention.sequence_strategy,
-                     attention_implementation=cfg.attention.implementation or None)
+                     attention_implementation=implementation)
 
 
 def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None) -> ModelSpec:
