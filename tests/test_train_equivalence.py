@@ -10,6 +10,8 @@ interleaved pipeline on one x86 CPU), while a wrong gradient changes updates by
 the order of the learning rate.
 """
 
+import re
+
 import chex
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 from conftest import micro_config
 from reference import random_batches, reference_run
+from meshtrain.analysis.plan import compile_step
 from meshtrain.train.setup import build
 
 STEPS = 5
@@ -88,3 +91,18 @@ def test_parameters_are_created_in_shards():
   assert {s.data.shape for s in wq.addressable_shards} == {(2, 32 // 8, 4, 8)}
   mu = state.opt_state[1][0].mu["layers"]["attn"]["wq_DxNxH"]
   assert mu.sharding.is_equivalent_to(wq.sharding, wq.ndim)
+
+
+@pytest.mark.parametrize("changes", [dict(mesh=dict(data=8)),
+                                     dict(mesh=dict(data=8), zero_stage=1),
+                                     dict(mesh=dict(data=1, fsdp=8))], ids=["dp", "zero1", "fsdp"])
+def test_the_donated_state_is_updated_where_it_lies(changes):
+  """Read from the compiled step: XLA copies no weight or optimizer moment
+  before overwriting it (a select of new and old state once made it copy every
+  moment, every step); scalar counters aside."""
+  cfg = micro_config()
+  cfg.update(changes)
+  text = compile_step(build(cfg)).as_text()
+  entry = text[text.index("\nENTRY"):]
+  copied = re.findall(r"= (\w+\[[\d,]*\])\S* copy\(%param", entry)
+  assert all(shape.endswith("[]") for shape in copied), copied

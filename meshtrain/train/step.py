@@ -108,13 +108,21 @@ class TrainStep:
       # Gradients meet the optimizer in its layout: an all-reduce for replicated
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
       grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       healthy = finite if nan_policy == "skip" else finite & (state.nonfinite_steps == 0)
-      params, opt_state = jax.tree.map(lambda new, old: jnp.where(healthy, new, old),
-                                       (optax.apply_updates(state.params, updates), opt_state),
-                                       (state.params, state.opt_state))
+
+      def update(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      def keep(params, opt_state, grads):
+        return params, opt_state
+
+      # A branch, not a select of new and old state: a select still needs each
+      # old optimizer moment when the new one is written over it (the donated
+      # buffer), so XLA copied every moment, twice the weights' bytes, each step.
+      params, opt_state = jax.lax.cond(healthy, update, keep, state.params, state.opt_state, grads)
       counts = healthy | (nan_policy == "skip")
       nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
       metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
