@@ -1,18 +1,14 @@
-"""Llama 3.2 3B shape (3.21B parameters, tied embeddings): the largest preset
-whose float32 master weights and AdamW state (51 GB) fit one 80 GB GPU."""
+"""Llama 3.2 3B shape (3.21B parameters, tied embeddings): the 1B preset wider
+and deeper, and the largest preset whose float32 master weights and AdamW state
+(51 GB) fit one 80 GB GPU."""
 
-from meshtrain.config import get_config as base_config
+from pathlib import Path
+
+from meshtrain.config import load
 
 
 def get_config():
-  c = base_config()
-  c.model.update(vocab_size=128_256, embed_dim=3072, num_layers=28, num_heads=24, num_kv_heads=8,
-                 head_dim=128, mlp_dim=8192, rope_theta=500_000.0, tie_embeddings=True)
-  c.global_batch = 32
-  c.seq_len = 2048
-  c.optimizer.learning_rate = 3e-4
-  c.optimizer.warmup_steps = 500
-  c.compute_dtype = "bfloat16"
-  c.param_dtype = "bfloat16"
+  c = load(Path(__file__).with_name("llama_1b.py"))
+  c.model.update(embed_dim=3072, num_layers=28, num_heads=24, head_dim=128)
   c.remat = "full"
   return c
