@@ -98,12 +98,16 @@ def _head_case(dtype):
   return x_BxLxD, w_DxV, targets_BxL
 
 
+def _head_grads(logits_fn, targets_BxL):
+  """(x, w) -> the loss's gradients with respect to the head's input and weight."""
+  return jax.grad(lambda x, w: cross_entropy(logits_fn(x, w), targets_BxL), argnums=(0, 1))
+
+
 def test_vocab_logits_gradients_are_autodiffs_in_float32():
   x, w, targets = _head_case(jnp.float32)
-  def loss(logits_fn):
-    return jax.grad(lambda x, w: cross_entropy(logits_fn(x, w), targets), argnums=(0, 1))(x, w)
-  chex.assert_trees_all_close(loss(vocab_logits),
-                              loss(lambda x, w: jnp.einsum("bld,dv->blv", x, w)), rtol=1e-6)
+  chex.assert_trees_all_close(
+      _head_grads(vocab_logits, targets)(x, w),
+      _head_grads(lambda x, w: jnp.einsum("bld,dv->blv", x, w), targets)(x, w), rtol=1e-6)
 
 
 def _matmul_operands(fn, *args) -> list[tuple[str, str]]:
@@ -114,11 +118,9 @@ def _matmul_operands(fn, *args) -> list[tuple[str, str]]:
 
 def test_bfloat16_logits_backward_multiplies_bfloat16():
   x, w, targets = _head_case(jnp.bfloat16)
-  def grads(logits_fn):
-    return jax.grad(lambda x, w: cross_entropy(logits_fn(x, w), targets), argnums=(0, 1))
-  ours = _matmul_operands(grads(vocab_logits), x, w)
+  ours = _matmul_operands(_head_grads(vocab_logits, targets), x, w)
   assert len(ours) == 3 and all("bf16" in a and "bf16" in b for a, b in ours)
   # jax's own transpose of the same float32-output matmul takes the float32 gradient.
-  plain = _matmul_operands(grads(lambda x, w: jnp.einsum("bld,dv->blv", x, w,
-                                                         preferred_element_type=jnp.float32)), x, w)
+  plain = _matmul_operands(_head_grads(lambda x, w: jnp.einsum(
+      "bld,dv->blv", x, w, preferred_element_type=jnp.float32), targets), x, w)
   assert sum("f32" in a or "f32" in b for a, b in plain) == 2

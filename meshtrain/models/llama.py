@@ -126,7 +126,7 @@ class Attention(nnx.Module):
                             (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     v_BxLxKxH = r.constrain(v_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("sequence", 1) > 1:
+    if _splits_length(mesh):
       out_BxLxNxH = sequence.sequence_attention(
           q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, strategy=cfg.sequence_strategy, mesh=mesh,
           zigzag=zigzag_layout(cfg, mesh))
@@ -271,12 +271,16 @@ def positions(tokens_BxL: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape[:2])
 
 
+def _splits_length(mesh) -> bool:
+  """Whether the `sequence` axis splits the length (context parallel)."""
+  return not mesh.empty and mesh.shape.get("sequence", 1) > 1
+
+
 def zigzag_layout(cfg: LlamaConfig, mesh) -> bool:
   """Whether the layers run in ring attention's zigzag token order: then
   attention needs no re-layout of q, k, v and its output in every layer, only
   the tokens going in and the last activations coming out do."""
-  return (cfg.sequence_strategy == "ring" and not mesh.empty
-          and mesh.shape.get("sequence", 1) > 1)
+  return cfg.sequence_strategy == "ring" and _splits_length(mesh)
 
 
 class Llama(nnx.Module):
