@@ -160,3 +160,13 @@ def _special_id(tokenizer: tokenizers.Tokenizer, configured, names: Sequence[str
     if token_id is not None:
       return token_id
   return None
+
+
+def for_config(cfg) -> Tokenizer:
+  """The run's tokenizer: `config.tokenizer` if set, else its data's (a prepared
+  corpus keeps its own; byte-level text and the synthetic task use bytes)."""
+  if cfg.tokenizer:
+    return load(cfg.tokenizer, key="config.tokenizer")
+  if cfg.data.source == "tokens":
+    return load(cfg.data.path, key="config.data.path")
+  return ByteTokenizer()
