@@ -30,19 +30,44 @@ constraints inside do not help. `lax.ppermute` keeps them sharded. So
 all_gather_kv and ulysses leave their collective to the partitioner at the
 shard_map boundary (in_specs that differ from the inputs' sharding), where the
 free axes stay put; ring calls `ppermute` itself.
+
+The axes that split only the batch (`data`, `fsdp`) are taken manual as well:
+every row attends alone, so they need nothing, and a `jax.vmap` over `data`
+with spmd_axis_name (per-replica gradient accumulation) then finds `data`
+manual where it adds it to the specs. jax 0.10 adds a vmapped axis to a
+shard_map's specs without making it manual, which failed with "unbound axis
+name: data" while only `sequence` was.
 """
 
 import functools
 import math
 
+import flax.core.spmd
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from meshtrain import rules as r
+
 STRATEGIES = ("all_gather_kv", "ulysses", "ring")
 FREE = P.UNCONSTRAINED
+ROW_AXES = ("data", "fsdp")  # mesh axes that split activations only along the batch
+
+
+def _split(mesh: Mesh, axis: str, batch_size: int) -> tuple[set[str], tuple[str, ...] | None]:
+  """The axes a shard_map here takes manual, and the spec of the batch
+  dimension: the row axes the batch is split over (by the active logical rules;
+  without rules, all that divide it). A row axis the rules leave out is the one
+  a vmap maps over, and the vmap puts it on its own dimension."""
+  rows = tuple(a for a in ROW_AXES if a != axis and mesh.shape.get(a, 1) > 1
+               and a not in mesh.manual_axes)
+  rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
+  batch = tuple(a for a in rules.get(r.BATCH, rows) if a in rows) if rules else rows
+  if batch_size % math.prod(mesh.shape[a] for a in batch):
+    batch = ()
+  return {axis, *rows}, batch or None
 
 
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
@@ -90,9 +115,10 @@ def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
     mask_1x1xTxL = (jnp.arange(length)[None, :] <= q_pos_T[:, None])[None, None]
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask_1x1xTxL)
 
-  by_length = P(None, axis)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(by_length, P(), P()), out_specs=by_length,
-                       axis_names={axis})(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+  manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
+  by_length = P(batch, axis)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(by_length, P(batch), P(batch)),
+                       out_specs=by_length, axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
 
 
 def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
@@ -121,13 +147,14 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
 
   def attend(q_BxLxAx1xGxH, k_BxLxAx1xH, v_BxLxAx1xH):
     out_BxLxNxH = jax.nn.dot_product_attention(
-        q_BxLxAx1xGxH.reshape(b, length, -1, h), k_BxLxAx1xH[:, :, :, 0],
+        q_BxLxAx1xGxH.reshape(*q_BxLxAx1xGxH.shape[:2], -1, h), k_BxLxAx1xH[:, :, :, 0],
         v_BxLxAx1xH[:, :, :, 0], is_causal=True)
     return out_BxLxNxH.reshape(q_BxLxAx1xGxH.shape)
 
-  by_heads = P(None, None, None, axis)
+  manual, batch = _split(mesh, axis, b)
+  by_heads = P(batch, None, None, axis)
   out_BxLxAxSxGxH = jax.shard_map(attend, mesh=mesh, in_specs=(by_heads,) * 3,
-                                  out_specs=by_heads, axis_names={axis})(q_BxLxAxSxGxH, *kv)
+                                  out_specs=by_heads, axis_names=manual, check_vma=False)(q_BxLxAxSxGxH, *kv)
   out_BxLxAxSxGxH = lax.with_sharding_constraint(
       out_BxLxAxSxGxH, P(FREE, axis, FREE, None, FREE, FREE))
   return out_BxLxAxSxGxH.reshape(b, length, num_heads, h)
@@ -143,11 +170,12 @@ def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str, zigzag: boo
   blocks of T x T scores instead of n in a contiguous ring (the last device
   sees all). From a contiguous layout it costs a second exchange of q, k and v
   and one of the output."""
-  by_length = P(None, axis)
+  manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
+  by_length = P(batch, axis)
   return jax.shard_map(
       functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis], zigzag=zigzag),
       mesh=mesh, in_specs=(by_length,) * 3, out_specs=by_length,
-      axis_names={axis})(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+      axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
 
 
 def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: bool):
@@ -255,9 +283,10 @@ def from_zigzag(x_BxL: jax.Array, mesh: Mesh, axis: str = "sequence") -> jax.Arr
 
 
 def _relayout(relayout, x_BxL: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
-  by_length = P(None, axis)
+  manual, batch = _split(mesh, axis, x_BxL.shape[0])
+  by_length = P(batch, axis)
   return jax.shard_map(functools.partial(relayout, axis=axis, n=mesh.shape[axis]), mesh=mesh,
-                       in_specs=by_length, out_specs=by_length, axis_names={axis})(x_BxL)
+                       in_specs=by_length, out_specs=by_length, axis_names=manual, check_vma=False)(x_BxL)
 
 
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:
