@@ -80,8 +80,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.restore_from = ""   # start a new workdir from another run's checkpoints dir, or one step dir in it
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic"   # synthetic | text
-  c.data.path = ""              # UTF-8 text file for source=text
+  c.data.source = "synthetic"   # synthetic | text | tokens (a `meshtrain prepare` directory)
+  c.data.path = ""              # UTF-8 text file for source=text, prepared directory for source=tokens
+  c.data.packing = "concat"     # concat: attend across documents | segments: only inside one (segment_ids, positions)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
   return c
 
