@@ -17,6 +17,7 @@ from meshtrain import distributed, launch
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.evaluate import evaluate_checkpoint, saved_config
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -48,6 +49,9 @@ _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: bla
                                        "documents in text files (default: one document per file)")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "prepare: share of the tokens held out "
                                    "for evaluation")
+_WORKDIR = flags.DEFINE_string("workdir", None, "eval: the workdir of a training run (its saved "
+                               "config; --config.KEY=VALUE flags change it, e.g. the mesh)")
+_STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the newest)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
@@ -123,6 +127,33 @@ def prepare_command(argv: list[str]) -> None:
         f"{meta['split']['val'][1] - meta['split']['val'][0]:,}")
 
 
+def _flag_overrides(cfg) -> dict:
+  """The keys `--config.KEY=VALUE` set: where `cfg` differs from the defaults."""
+  flat = {}
+  def walk(values, defaults, prefix=""):
+    for key, value in values.items():
+      if isinstance(value, dict):
+        walk(value, defaults.get(key, {}), f"{prefix}{key}.")
+      elif defaults.get(key) != value:
+        flat[prefix + key] = value
+  walk(cfg.to_dict(), meshtrain.config.get_config().to_dict())
+  return flat
+
+
+def eval_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a training run")
+  cfg = saved_config(_WORKDIR.value)
+  cfg.update_from_flattened_dict(_flag_overrides(_CONFIG.value))
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  result = evaluate_checkpoint(cfg, _STEP.value)
+  if jax.process_index() == 0:
+    print(json.dumps(result))
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -132,7 +163,8 @@ def launch_command(argv: list[str]) -> None:
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
-            "launch": launch_command, "prepare": prepare_command}
+            "launch": launch_command, "prepare": prepare_command,
+            "eval": eval_command}
 
 
 def _guarded(command):

@@ -84,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.path = ""              # UTF-8 text file for source=text, prepared directory for source=tokens
   c.data.packing = "concat"     # concat: attend across documents | segments: only inside one (segment_ids, positions)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 0        # steps between evaluations on the validation split, and at the last step (0: none)
+  c.eval.batches = 4            # global batches per evaluation, the same ones every time
   return c
 
 
