@@ -106,28 +106,39 @@ def test_eval_refuses_what_it_cannot_do(corpus, tmp_path):
   assert not (tmp_path / "pipe").exists() and not (tmp_path / "nothing").exists()
 
 
-def test_cli_evaluates_a_saved_run_and_refuses_a_missing_step(corpus, tmp_path):
-  flags = micro_flags(**{"data.source": "tokens", "data.path": corpus, "model.vocab_size": 256,
-                         "steps": 2, "workdir": tmp_path})
-  train_run = subprocess.run([sys.executable, "-m", "meshtrain.cli", "train", *flags,
-                              "--config.simulate_devices=8"],
-                             capture_output=True, text=True, cwd=REPO, timeout=300)
-  assert train_run.returncode == 0, train_run.stderr[-2000:]
-  command = [sys.executable, "-m", "meshtrain.cli", "eval", f"--workdir={tmp_path}"]
-  result = subprocess.run(command + ["--config.mesh.fsdp=2"], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  record = json.loads(result.stdout.strip().splitlines()[-1])
-  cfg = saved_config(str(tmp_path))
-  from meshtrain.checkpoint import Checkpoints
-  setup = build(cfg)
-  checkpoints = Checkpoints(tmp_path / "checkpoints", read_only=True, config_key="k")
-  state = checkpoints.restore(2, setup.shardings, setup.abstract_state(),
-                              make_iterator(cfg.data, seq_len=16, global_batch=16,
-                                            vocab_size=256, seed=0), cfg)
-  checkpoints.close()
-  assert record["step"] == 2
-  np.testing.assert_allclose(record["eval_loss"], reference_eval_loss(cfg, state.params), rtol=2e-6)
-  bad = subprocess.run(command + ["--step=7"], capture_output=True, text=True, cwd=REPO, timeout=300)
-  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-      f"error: --step: {tmp_path / 'checkpoints'} holds no checkpoint of step 7 (steps: 2)"]
+def test_flags_change_the_saved_config():
+  from meshtrain.cli import _flag_overrides
+  cfg = micro_config()
+  assert _flag_overrides(micro_config(**{"mesh.fsdp": 2, "eval.batches": 9})) == {
+      **_flag_overrides(cfg), "mesh.fsdp": 2, "eval.batches": 9}
+
+
+def test_cli_refuses_a_missing_step_on_one_line(corpus, tmp_path):
+  (tmp_path / "checkpoints/3").mkdir(parents=True)
+  (tmp_path / "config.json").write_text(json.dumps(eval_config(corpus).to_dict()))
+  before = sorted(tmp_path.rglob("*"))
+  result = subprocess.run([sys.executable, "-m", "meshtrain.cli", "eval", f"--workdir={tmp_path}",
+                           "--step=7"], capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      f"error: --step: {tmp_path / 'checkpoints'} holds no checkpoint of step 7 (steps: 3)"]
+  assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_two_processes_of_four_devices_read_and_evaluate_like_one_of_eight(corpus, tmp_path):
+  """The prepared corpus's batches (packed with segments), split by process rows,
+  give the losses and evaluations of one process."""
+  changes = {"data.source": "tokens", "data.path": str(corpus), "data.packing": "segments",
+             "model.vocab_size": 256, "eval.batches": 2, "eval.every_steps": 2, "steps": 3,
+             "mesh.data": 2, "mesh.fsdp": 4}
+  result = subprocess.run(
+      [sys.executable, "-m", "meshtrain.cli", "launch", "--num_processes=2",
+       "--devices_per_process=4", "--", "train", f"--config.workdir={tmp_path / 'two'}",
+       *micro_flags(**changes)], capture_output=True, text=True, timeout=400, cwd=REPO)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "batch rows range(8, 16)" in result.stdout
+  two = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
+  one = train(micro_config(**changes, workdir=str(tmp_path / "one")))
+  for key in ("loss", "eval_loss"):
+    np.testing.assert_allclose([r.get(key, 0) for r in two], [r.get(key, 0) for r in one],
+                               rtol=1e-5)
+  assert [r["step"] for r in two if "eval_loss" in r] == [2, 3]
