@@ -47,7 +47,7 @@ _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "prepare: the JSONL fiel
                                   "holding the text")
 _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: blank lines separate "
                                        "documents in text files (default: one document per file)")
-_VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.01, "prepare: share of the tokens held out "
+_VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "
                                    "for evaluation")
 _WORKDIR = flags.DEFINE_string("workdir", None, "eval: the workdir of a training run (its saved "
                                "config; --config.KEY=VALUE flags change it, e.g. the mesh)")

@@ -142,3 +142,11 @@ def test_two_processes_of_four_devices_read_and_evaluate_like_one_of_eight(corpu
     np.testing.assert_allclose([r.get(key, 0) for r in two], [r.get(key, 0) for r in one],
                                rtol=1e-5)
   assert [r["step"] for r in two if "eval_loss" in r] == [2, 3]
+
+
+def test_a_prepared_corpus_pads_the_vocabulary_to_a_multiple_of_tensor(corpus):
+  from meshtrain.train.loop import padded_vocab
+  cfg = eval_config(corpus, **{"model.vocab_size": 257, "mesh.data": 2, "mesh.tensor": 4})
+  assert padded_vocab(cfg).model.vocab_size == 260 and cfg.model.vocab_size == 257
+  synthetic = micro_config(**{"model.vocab_size": 65, "mesh.data": 2, "mesh.tensor": 4})
+  assert padded_vocab(synthetic) is synthetic  # the task's vocabulary is the task

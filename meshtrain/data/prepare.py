@@ -197,7 +197,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, text_field: str = "text",
-            split_blank_lines: bool = False, val_fraction: float = 0.01) -> dict:
+            split_blank_lines: bool = False, val_fraction: float = 0.05) -> dict:
   """Tokenizes `inputs` into the directory `out` (module docstring); returns its meta."""
   out_dir = Path(out)
   if out_dir.exists():
