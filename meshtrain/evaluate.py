@@ -27,6 +27,7 @@ from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import ConfigError
+from meshtrain.train import pipelined
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.setup import Setup, build
 
@@ -37,11 +38,7 @@ class Evaluator:
   def __init__(self, cfg, setup: Setup):
     if cfg.eval.batches < 1:
       raise ConfigError("config.eval.batches", f"is {cfg.eval.batches}; evaluate at least 1 batch")
-    if setup.mesh.shape["pipeline"] > 1:
-      raise ConfigError("config.eval.every_steps", "evaluation on a pipeline mesh needs the "
-                        "pipeline's forward-only schedule, which is not there yet; set it to 0 and "
-                        "evaluate the checkpoints with `meshtrain eval --workdir W "
-                        "--config.mesh.pipeline=1`")
+    loss_fn = _loss_fn(cfg, setup)
     sharding = setup.train_step.batch_sharding
     batch_shape = (cfg.global_batch, cfg.seq_len)
     batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -53,15 +50,12 @@ class Evaluator:
     self.traces = 0  # how often the loss was traced (compiled): once per run
     param_shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
     dtype = jnp.dtype(cfg.param_dtype)
-    microbatches = cfg.grad_accum_steps
 
     def mean_loss(params, batch):
       self.traces += 1
       working = jax.lax.with_sharding_constraint(
           jax.tree.map(lambda x: x.astype(dtype), params), param_shardings)
-      losses = jax.lax.map(lambda microbatch: setup.loss_fn(working, microbatch),
-                           split_microbatches(batch, microbatches))
-      return jnp.mean(losses)
+      return loss_fn(working, batch)
 
     self._jitted = jax.jit(mean_loss, in_shardings=(setup.shardings.params,
                                                     setup.train_step.batch_sharding))
@@ -71,6 +65,26 @@ class Evaluator:
       losses = [self._jitted(params, batch) for batch in self._batches]
     loss = float(np.mean(jax.device_get(losses)))
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+
+def _loss_fn(cfg, setup: Setup):
+  """(params, batch) -> mean loss, forward only: the pipeline's forward
+  schedule on a pipeline mesh, else the training loss over the step's
+  `grad_accum_steps` microbatches in turn."""
+  if setup.mesh.shape["pipeline"] > 1:
+    forward = getattr(pipelined, "pipelined_loss", None)  # the pipeline's forward-only schedule
+    if forward is None:
+      raise ConfigError("config.eval.every_steps", "evaluation on a pipeline mesh needs the "
+                        "pipeline's forward-only schedule, which is not there yet; set it to 0 and "
+                        "evaluate the checkpoints with `meshtrain eval --workdir W "
+                        "--config.mesh.pipeline=1`")
+    return forward(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
+
+  def microbatched(params, batch):
+    losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch),
+                         split_microbatches(batch, cfg.grad_accum_steps))
+    return jnp.mean(losses)
+  return microbatched
 
 
 def evaluator_for(cfg, setup: Setup) -> Evaluator | None:

@@ -16,6 +16,7 @@ from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
 from meshtrain.evaluate import Evaluator, evaluate_checkpoint, saved_config
+from meshtrain.train import pipelined
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 
@@ -61,10 +62,15 @@ def initial(corpus):
     {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "tensor_sequence_parallel": True},
     {"mesh.data": 4, "mesh.sequence": 2, "attention.sequence_strategy": "ring"},
     {"mesh.data": 4, "mesh.sequence": 2, "attention.sequence_strategy": "ulysses"},
-    {"mesh.data": 8, "zero_stage": 3, "grad_accum_steps": 2}])
+    {"mesh.data": 8, "zero_stage": 3, "grad_accum_steps": 2},
+    {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.microbatches": 2}])
 def test_eval_loss_on_a_mesh_equals_plain_jit_on_one_device(corpus, initial, mesh):
   cfg = eval_config(corpus, **mesh)
   setup = build(cfg)
+  if setup.mesh.shape["pipeline"] > 1 and not hasattr(pipelined, "pipelined_loss"):
+    with pytest.raises(ConfigError, match="config.eval.every_steps: .* forward-only schedule"):
+      Evaluator(cfg, setup)  # until the pipeline's forward-only schedule is merged
+    return
   params, expected = initial
   params = jax.device_put(params, setup.shardings.params)
   evaluator = Evaluator(cfg, setup)
@@ -74,9 +80,10 @@ def test_eval_loss_on_a_mesh_equals_plain_jit_on_one_device(corpus, initial, mes
   assert first["eval_perplexity"] == pytest.approx(math.exp(first["eval_loss"]))
 
 
-def test_the_loop_evaluates_every_n_steps_and_at_the_last(corpus, tmp_path):
-  cfg = eval_config(corpus, **{"eval.every_steps": 2, "steps": 5, "log_every": 10,
-                               "workdir": str(tmp_path), "mesh.data": 8})
+def test_the_loop_evaluates_every_n_steps_and_at_the_last_and_resumes_exactly(corpus, tmp_path):
+  cfg = eval_config(corpus, **{"eval.every_steps": 2, "steps": 5, "log_every": 1,
+                               "workdir": str(tmp_path), "mesh.data": 8, "data.packing": "segments",
+                               "checkpoint.every_steps": 2})
   records = train(cfg)
   assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
   logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -90,12 +97,16 @@ def test_the_loop_evaluates_every_n_steps_and_at_the_last(corpus, tmp_path):
   result = evaluate_checkpoint(saved)
   assert result["step"] == 5
   np.testing.assert_allclose(result["eval_loss"], evals[-1], rtol=1e-6)
+  # Stopped after step 2 and resumed: the same batches, losses and evaluations, bit for bit.
+  cfg.workdir = str(tmp_path / "resumed")
+  cfg.checkpoint.restore_from = str(tmp_path / "checkpoints/2")
+  resumed = train(cfg)
+  assert [r["step"] for r in resumed] == [3, 4, 5]
+  for key in ("loss", "eval_loss"):
+    assert [r.get(key) for r in resumed] == [r.get(key) for r in records if r["step"] > 2]
 
 
 def test_eval_refuses_what_it_cannot_do(corpus, tmp_path):
-  with pytest.raises(ConfigError, match="config.eval.every_steps"):
-    train(eval_config(corpus, **{"eval.every_steps": 2, "mesh.data": 4, "mesh.pipeline": 2,
-                                 "workdir": str(tmp_path / "pipe")}))
   with pytest.raises(ConfigError, match="config.eval.batches"):
     Evaluator(eval_config(corpus, **{"eval.batches": 0}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="no validation split"):
@@ -103,7 +114,7 @@ def test_eval_refuses_what_it_cannot_do(corpus, tmp_path):
                               "model.vocab_size": 256}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="--workdir: .* holds no config.json"):
     saved_config(str(tmp_path / "nothing"))
-  assert not (tmp_path / "pipe").exists() and not (tmp_path / "nothing").exists()
+  assert not (tmp_path / "nothing").exists()
 
 
 def test_flags_change_the_saved_config():
