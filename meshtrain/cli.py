@@ -13,11 +13,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, launch
+from meshtrain import distributed, launch, workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError, TrainingHalted
-from meshtrain.evaluate import evaluate_checkpoint, saved_config
+from meshtrain.evaluate import evaluate_checkpoint
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -127,29 +127,16 @@ def prepare_command(argv: list[str]) -> None:
         f"{meta['split']['val'][1] - meta['split']['val'][0]:,}")
 
 
-def _flag_overrides(cfg) -> dict:
-  """The keys `--config.KEY=VALUE` set: where `cfg` differs from the defaults."""
-  flat = {}
-  def walk(values, defaults, prefix=""):
-    for key, value in values.items():
-      if isinstance(value, dict):
-        walk(value, defaults.get(key, {}), f"{prefix}{key}.")
-      elif defaults.get(key) != value:
-        flat[prefix + key] = value
-  walk(cfg.to_dict(), meshtrain.config.get_config().to_dict())
-  return flat
-
-
 def eval_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   if not _WORKDIR.value:
     raise ConfigError("--workdir", "give the workdir of a training run")
-  cfg = saved_config(_WORKDIR.value)
-  cfg.update_from_flattened_dict(_flag_overrides(_CONFIG.value))
+  cfg = saved_run.load_config(_WORKDIR.value, config_flags.get_override_values(flags.FLAGS["config"]))
+  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
   _use_simulated_devices(cfg)
   distributed.initialize(cfg.distributed)
-  result = evaluate_checkpoint(cfg, _STEP.value)
+  result = evaluate_checkpoint(cfg, _WORKDIR.value, step)
   if jax.process_index() == 0:
     print(json.dumps(result))
 

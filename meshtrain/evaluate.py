@@ -11,25 +11,21 @@ those of one training microbatch. It is compiled once: every call has the
 same shapes and shardings.
 """
 
-import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
-import meshtrain.config
 from meshtrain import rules as r
-from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import ConfigError
 from meshtrain.train import pipelined
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.setup import Setup, build
+from meshtrain.workdir import load_params
 
 
 class Evaluator:
@@ -100,38 +96,9 @@ def due(cfg, step: int) -> bool:
   return bool(cfg.eval.every_steps) and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
 
 
-def saved_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a run saved in its workdir, over today's defaults."""
-  file = Path(workdir) / "config.json"
-  if not file.is_file():
-    raise ConfigError("--workdir", f"{workdir} holds no config.json; give the workdir of a "
-                      "`meshtrain train` run")
-  cfg = meshtrain.config.get_config()
-  cfg.update(json.loads(file.read_text()))
-  cfg.workdir = str(workdir)
-  return cfg
-
-
-def evaluate_checkpoint(cfg, step: int | None = None) -> dict:
-  """Evaluates step `step` (default: the newest) of the checkpoints in `cfg.workdir`."""
-  directory = Path(cfg.workdir) / "checkpoints"
-  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit() and p.is_dir())
-  if not steps:
-    raise ConfigError("--workdir", f"{cfg.workdir} holds no checkpoint; train first, or give "
-                      "the workdir of a run that saved one")
-  step = steps[-1] if step is None else step
-  if step not in steps:
-    raise ConfigError("--step", f"{directory} holds no checkpoint of step {step} (steps: "
-                      f"{', '.join(map(str, steps))})")
+def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
+  """Evaluates the weights of checkpoint `step` in `workdir` on `cfg`'s mesh."""
   setup = build(cfg)
   evaluator = Evaluator(cfg, setup)
-  # The checkpoint also holds the training data's position, restored into a
-  # training iterator that is then dropped.
-  batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                          vocab_size=cfg.model.vocab_size, seed=cfg.seed)
-  checkpoints = Checkpoints(directory, read_only=True, config_key="--workdir")
-  try:
-    state = checkpoints.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
-  finally:
-    checkpoints.close()
-  return {"step": step, **evaluator(state.params)}
+  params = load_params(workdir, step, setup.spec.abstract_params, setup.shardings.params)
+  return {"step": step, **evaluator(params)}

@@ -15,10 +15,11 @@ from conftest import REPO, SHAKESPEARE, micro_config, micro_flags
 from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
-from meshtrain.evaluate import Evaluator, evaluate_checkpoint, saved_config
+from meshtrain.evaluate import Evaluator, evaluate_checkpoint, evaluator_for
 from meshtrain.train import pipelined
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
+from meshtrain.workdir import load_config
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +93,8 @@ def test_the_loop_evaluates_every_n_steps_and_at_the_last_and_resumes_exactly(co
   assert evals[0] > evals[-1]  # the micro model learns the bytes' frequencies in 5 steps
   assert any(b"eval_perplexity" in f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
   # From the checkpoint, on another mesh: the loop's last evaluation.
-  saved = saved_config(str(tmp_path))
-  saved.mesh.data, saved.mesh.fsdp = 2, 4
-  result = evaluate_checkpoint(saved)
-  assert result["step"] == 5
+  saved = load_config(str(tmp_path), {"mesh.data": 2, "mesh.fsdp": 4})
+  result = evaluate_checkpoint(saved, str(tmp_path), 5)
   np.testing.assert_allclose(result["eval_loss"], evals[-1], rtol=1e-6)
   # Stopped after step 2 and resumed: the same batches, losses and evaluations, bit for bit.
   cfg.workdir = str(tmp_path / "resumed")
@@ -106,22 +105,14 @@ def test_the_loop_evaluates_every_n_steps_and_at_the_last_and_resumes_exactly(co
     assert [r.get(key) for r in resumed] == [r.get(key) for r in records if r["step"] > 2]
 
 
-def test_eval_refuses_what_it_cannot_do(corpus, tmp_path):
+def test_eval_refuses_what_it_cannot_do(corpus):
+  with pytest.raises(ConfigError, match="config.eval.every_steps"):
+    evaluator_for(eval_config(corpus, **{"eval.every_steps": -1}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="config.eval.batches"):
     Evaluator(eval_config(corpus, **{"eval.batches": 0}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="no validation split"):
     Evaluator(micro_config(**{"data.source": "text", "data.path": str(SHAKESPEARE),
                               "model.vocab_size": 256}), build(eval_config(corpus)))
-  with pytest.raises(ConfigError, match="--workdir: .* holds no config.json"):
-    saved_config(str(tmp_path / "nothing"))
-  assert not (tmp_path / "nothing").exists()
-
-
-def test_flags_change_the_saved_config():
-  from meshtrain.cli import _flag_overrides
-  cfg = micro_config()
-  assert _flag_overrides(micro_config(**{"mesh.fsdp": 2, "eval.batches": 9})) == {
-      **_flag_overrides(cfg), "mesh.fsdp": 2, "eval.batches": 9}
 
 
 def test_cli_refuses_a_missing_step_on_one_line(corpus, tmp_path):
@@ -131,7 +122,7 @@ def test_cli_refuses_a_missing_step_on_one_line(corpus, tmp_path):
   result = subprocess.run([sys.executable, "-m", "meshtrain.cli", "eval", f"--workdir={tmp_path}",
                            "--step=7"], capture_output=True, text=True, cwd=REPO, timeout=300)
   assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-      f"error: --step: {tmp_path / 'checkpoints'} holds no checkpoint of step 7 (steps: 3)"]
+      f"error: --step: {tmp_path} has no checkpoint of step 7; it has [3]"]
   assert sorted(tmp_path.rglob("*")) == before
 
 
