@@ -7,8 +7,9 @@ rows, as in training. The loss is the training loss (`Setup.loss_fn`, so
 packing and masking agree), run forward only on the weights as the step sees
 them (cast to `param_dtype`, laid out by the `params` rules), over the
 `grad_accum_steps` microbatches of a batch in turn so the activations stay
-those of one training microbatch. It is compiled once: every call has the
-same shapes and shardings.
+those of one training microbatch; on a pipeline mesh, through the pipeline's
+forward-only schedule. It is compiled once: every call has the same shapes
+and shardings.
 """
 
 import math

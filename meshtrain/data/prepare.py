@@ -63,7 +63,7 @@ FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
 DOCUMENTS_FILE = "documents.bin"
 PIECE_CHARS = 1 << 20    # a long document is encoded in pieces of about this many characters
-BATCH_CHARS = 16 << 20   # characters per encode_batch call
+BATCH_CHARS = 4 << 20    # characters per encode_batch call (its encodings take tens of times that)
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 
