@@ -13,9 +13,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, launch
+from meshtrain import distributed, launch, workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.evaluate import evaluate_checkpoint
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -35,7 +37,21 @@ _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "sch
 _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage (interleaved)")
 _BACKWARD_COST = flags.DEFINE_float("backward_cost", 2.0,
                                     "schedule: cost of a backward, a forward costing 1")
-_OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here")
+_OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here; prepare: the "
+                           "directory to create")
+_INPUT = flags.DEFINE_multi_string("input", [], "prepare: text, JSONL or Parquet files, globs or "
+                                   "directories (more paths may follow)")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "prepare: bytes | PATH to a tokenizer.json "
+                                 "(or its directory, or a prepared corpus) | train:N (a BPE of N ids)")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "prepare: the JSONL field / Parquet column "
+                                  "holding the text")
+_SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: blank lines separate "
+                                       "documents in text files (default: one document per file)")
+_VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "
+                                   "for evaluation")
+_WORKDIR = flags.DEFINE_string("workdir", None, "eval: the workdir of a training run (its saved "
+                               "config; --config.KEY=VALUE flags change it, e.g. the mesh)")
+_STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the newest)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
@@ -98,6 +114,33 @@ def schedule_command(argv: list[str]) -> None:
     print(f"chart: {_OUT.value}")
 
 
+def prepare_command(argv: list[str]) -> None:
+  inputs = _INPUT.value + argv[1:]  # `--input a b c`, as a shell glob expands
+  if not inputs:
+    raise ConfigError("--input", "give the text, JSONL or Parquet files to prepare")
+  if not _OUT.value:
+    raise ConfigError("--out", "give the directory to write the prepared corpus into")
+  meta = prepare(inputs, _TOKENIZER.value, _OUT.value, text_field=_TEXT_FIELD.value,
+                 split_blank_lines=_SPLIT_BLANK_LINES.value, val_fraction=_VAL_FRACTION.value)
+  print(f"prepared {_OUT.value}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
+        f"({meta['dtype']}, vocabulary {meta['vocab_size']}); validation tokens "
+        f"{meta['split']['val'][1] - meta['split']['val'][0]:,}")
+
+
+def eval_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a training run")
+  cfg = saved_run.load_config(_WORKDIR.value, config_flags.get_override_values(flags.FLAGS["config"]))
+  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  result = evaluate_checkpoint(cfg, _WORKDIR.value, step)
+  if jax.process_index() == 0:
+    print(json.dumps(result))
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -107,7 +150,8 @@ def launch_command(argv: list[str]) -> None:
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
-            "launch": launch_command}
+            "launch": launch_command, "prepare": prepare_command,
+            "eval": eval_command}
 
 
 def _guarded(command):

@@ -80,9 +80,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.restore_from = ""   # start a new workdir from another run's checkpoints dir, or one step dir in it
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "synthetic"   # synthetic | text
-  c.data.path = ""              # UTF-8 text file for source=text
+  c.data.source = "synthetic"   # synthetic | text | tokens (a `meshtrain prepare` directory)
+  c.data.path = ""              # UTF-8 text file for source=text, prepared directory for source=tokens
+  c.data.packing = "concat"     # concat: attend across documents | segments: only inside one (segment_ids, positions)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 0        # steps between evaluations on the validation split, and at the last step (0: none)
+  c.eval.batches = 4            # global batches per evaluation, the same ones every time
   return c
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from meshtrain.data import STRIDES, make_iterator, synthetic_loss_floor
+from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
 
 SHAKESPEARE = (
@@ -22,17 +23,25 @@ Batch = dict[str, np.ndarray]
 
 
 def data_config(
-    source: str, path: str | Path | None = None
+    source: str, path: str | Path | None = None, packing: str = "concat"
 ) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
-      {"source": source, "path": "" if path is None else str(path)}
+      {"source": source, "path": "" if path is None else str(path), "packing": packing}
   )
 
 
-@pytest.fixture(params=["synthetic", "text"])
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+  """The play's paragraphs as documents, byte tokens (EOS 0), 10% held out."""
+  out = tmp_path_factory.mktemp("prepared") / "shakespeare"
+  prepare([str(SHAKESPEARE)], "bytes", str(out), split_blank_lines=True, val_fraction=0.1)
+  return out
+
+
+@pytest.fixture(params=["synthetic", "text", "tokens"])
 def cfg(request) -> ml_collections.ConfigDict:
-  if request.param == "text" and not SHAKESPEARE.is_file():
-    pytest.skip(f"{SHAKESPEARE} is missing")
+  if request.param == "tokens":
+    return data_config("tokens", request.getfixturevalue("corpus"))
   return data_config(request.param, SHAKESPEARE)
 
 
@@ -42,11 +51,12 @@ def iterator(
     seed: int = 0,
     global_batch: int = GLOBAL_BATCH,
     vocab_size: int = VOCAB_SIZE,
+    seq_len: int = SEQ_LEN,
     **process,
 ):
   return make_iterator(
       cfg,
-      seq_len=SEQ_LEN,
+      seq_len=seq_len,
       global_batch=global_batch,
       vocab_size=vocab_size,
       seed=seed,
@@ -226,3 +236,64 @@ def test_too_small_synthetic_vocabulary_is_a_config_error():
   )
   with pytest.raises(ConfigError, match=r"config\.model\.vocab_size"):
     synthetic_loss_floor(SEQ_LEN, 4)
+
+
+def prepared_tokens(corpus: Path, split: str) -> np.ndarray:
+  meta = json.loads((corpus / "meta.json").read_text())
+  start, end = meta["split"][split]
+  return np.fromfile(corpus / "tokens.bin", meta["dtype"])[start:end]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_token_windows_are_slices_of_their_split(corpus, split):
+  stream = prepared_tokens(corpus, split).tobytes()
+  for batch in draw(iterator(data_config("tokens", corpus), split=split), 2):
+    for window in windows_of(batch):
+      assert window.astype(np.uint16).tobytes() in stream
+
+
+def test_segments_restart_after_each_end_of_document(corpus):
+  """Against a plain loop over the tokens: byte tokens end a document with 0,
+  which no paragraph contains."""
+  batches = draw(iterator(data_config("tokens", corpus, packing="segments"), seq_len=64), 3)
+  documents_seen = 0
+  for batch in batches:
+    assert set(batch) == {"inputs", "targets", "segment_ids", "positions"}
+    for inputs, segment_ids, positions in zip(batch["inputs"], batch["segment_ids"],
+                                              batch["positions"]):
+      segment, position = 1, 0
+      for t, token in enumerate(inputs):
+        if t and inputs[t - 1] == 0:
+          segment, position = segment + 1, 0
+        assert (segment_ids[t], positions[t]) == (segment, position), t
+        position += 1
+      documents_seen += segment
+  assert documents_seen > 3 * GLOBAL_BATCH  # windows do cross documents
+
+
+def test_concat_and_segments_draw_the_same_tokens(corpus):
+  concat = draw(iterator(data_config("tokens", corpus)), 2)
+  segments = draw(iterator(data_config("tokens", corpus, packing="segments")), 2)
+  assert_same_batches(segments, concat)
+
+
+def test_a_smaller_model_vocabulary_than_the_tokenizers_is_a_config_error(corpus):
+  assert_config_error("config.model.vocab_size", data_config("tokens", corpus), vocab_size=255)
+  with pytest.raises(ConfigError, match="set it to at least 256"):
+    iterator(data_config("tokens", corpus), vocab_size=100)
+  next(iterator(data_config("tokens", corpus), vocab_size=384))  # larger: padding rows
+
+
+def test_a_missing_or_unfinished_prepared_directory_is_a_config_error(corpus, tmp_path):
+  unfinished = tmp_path / "corpus"
+  unfinished.mkdir()
+  (tmp_path / ".corpus.partial-x1").mkdir()
+  for path, message in ((None, "is not set"), (tmp_path / "nope", "not a directory"),
+                        (unfinished, "prepare did not finish")):
+    with pytest.raises(ConfigError, match=message):
+      iterator(data_config("tokens", path))
+  assert_config_error("config.data.path", data_config("tokens", unfinished))
+
+
+def test_unknown_packing_is_a_config_error():
+  assert_config_error("config.data.packing", data_config("synthetic", packing="zip"))

@@ -1,7 +1,8 @@
 """Training batches through grain: one seeded global stream, sliced per process.
 
 A source is a fixed set of windows of `seq_len + 1` tokens, addressed by window
-id. The stream visits every window once per epoch, each epoch in a fresh order
+id: the synthetic task, the bytes of one text file, or a corpus prepared by
+`meshtrain prepare` (its train or validation split). The stream visits every window once per epoch, each epoch in a fresh order
 drawn from (seed, epoch). Global batch k is rows [k * global_batch,
 (k + 1) * global_batch) of that stream and a process reads only the rows its
 devices hold (a contiguous block), so the data order does not depend on the
@@ -12,6 +13,13 @@ threads; the iterator's `get_state()` / `set_state()` restore the exact step.
 Batches are built with vectorized numpy rather than grain's per-row `shuffle`,
 `repeat` and `batch`: those cost ~10 us of Python per row, and `shuffle` costs
 up to milliseconds per row on datasets of fewer than a few thousand windows.
+
+Packing (`config.data.packing`): windows are cut from documents joined with
+their EOS. "concat" lets attention run across document boundaries (GPT);
+"segments" adds `segment_ids` and `positions` to each batch (int32, like
+`inputs`) so the model attends only inside a document and restarts positions
+at each one (MaxText, Levanter). The synthetic task counts each window as one
+document, a text file as one.
 """
 
 import functools
@@ -26,7 +34,8 @@ from meshtrain.data.synthetic import (
     SyntheticWindows,
     synthetic_loss_floor,
 )
-from meshtrain.data.text import BYTE_VOCAB_SIZE, TextWindows
+from meshtrain.data.text import BYTE_VOCAB_SIZE, text_windows
+from meshtrain.data.tokens import SPLITS, PreparedCorpus
 from meshtrain.errors import ConfigError
 
 __all__ = [
@@ -37,7 +46,8 @@ __all__ = [
     "synthetic_loss_floor",
 ]
 
-SOURCES = ("synthetic", "text")
+SOURCES = ("synthetic", "text", "tokens")
+PACKING = ("concat", "segments")
 
 # Elements are whole per-process batches: a few in flight hide their cost
 # behind the training step without holding much memory.
@@ -52,6 +62,9 @@ class _Windows(Protocol):
   def __call__(self, ids: np.ndarray) -> np.ndarray:
     """Integer array [len(ids), seq_len + 1]."""
 
+  def segments(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids and positions of the inputs, int32[len(ids), seq_len]."""
+
 
 def make_iterator(
     data_cfg: Any,
@@ -61,12 +74,15 @@ def make_iterator(
     vocab_size: int,
     seed: int,
     rows: range | None = None,
+    split: str = "train",
 ) -> grain.DatasetIterator:
   """Yields rows `rows` (default: all) of each global batch.
 
   Each element is `{"inputs": int32[len(rows), seq_len],
-  "targets": same}`, the targets being the inputs shifted by one token.
-  `data_cfg` needs `source` (one of `SOURCES`) and, for "text", `path`.
+  "targets": same}`, the targets being the inputs shifted by one token, and
+  with `data_cfg.packing="segments"` also `segment_ids` and `positions`.
+  `data_cfg` needs `source` (one of `SOURCES`) and, for "text" and "tokens",
+  `path`; `split` picks a prepared corpus's split (module `tokens`).
   """
   if global_batch <= 0:
     raise ConfigError("config.global_batch", f"is {global_batch}; use a positive number")
@@ -75,25 +91,38 @@ def make_iterator(
     raise ValueError(f"rows {rows} are not inside a batch of {global_batch}")
   if seed < 0:
     raise ConfigError("config.seed", f"is {seed}; use a non-negative integer")
-  windows = _windows(data_cfg, seq_len=seq_len, vocab_size=vocab_size)
+  packing = getattr(data_cfg, "packing", "concat")
+  if packing not in PACKING:
+    raise ConfigError("config.data.packing", f"{packing!r} is not one of {', '.join(PACKING)}")
+  windows = _windows(data_cfg, seq_len=seq_len, vocab_size=vocab_size, split=split)
   shuffle = _EpochShuffle(windows.num_windows, seed)
   rows_in_batch = np.arange(rows.start, rows.stop)
 
   def local_batch_at(step: int) -> dict[str, np.ndarray]:
-    rows = step * global_batch + rows_in_batch
-    return _inputs_and_targets(windows(shuffle(rows)))
+    ids = shuffle(step * global_batch + rows_in_batch)
+    batch = _inputs_and_targets(windows(ids))
+    if packing == "segments":
+      batch["segment_ids"], batch["positions"] = windows.segments(ids)
+    return batch
 
   steps = grain.MapDataset.range(sys.maxsize).map(local_batch_at)
   return iter(steps.to_iter_dataset(_READ_OPTIONS))
 
 
-def _windows(data_cfg: Any, *, seq_len: int, vocab_size: int) -> _Windows:
-  source = getattr(data_cfg, "source", None)
-  if source == "synthetic":
+def _windows(data_cfg: Any, *, seq_len: int, vocab_size: int, split: str) -> _Windows:
+  source, path = getattr(data_cfg, "source", None), getattr(data_cfg, "path", None)
+  if split not in SPLITS:
+    raise ValueError(f"split {split!r} is not one of {SPLITS}")
+  if source == "synthetic":  # one task, no held-out part: every split is the task
     return SyntheticWindows(seq_len=seq_len, vocab_size=vocab_size)
   if source == "text":
-    path = getattr(data_cfg, "path", None)
-    return TextWindows(path, seq_len=seq_len, vocab_size=vocab_size)
+    if split != "train":
+      raise ConfigError("config.data.source", "a text file has no validation split; prepare it "
+                        "with `meshtrain prepare` and use source=tokens to evaluate")
+    return text_windows(path, seq_len=seq_len, vocab_size=vocab_size)
+  if source == "tokens":
+    return PreparedCorpus(path).windows(split, seq_len=seq_len, vocab_size=vocab_size,
+                                        key="config.data.path")
   raise ConfigError(
       "config.data.source",
       f"unknown source {source!r}; use one of {', '.join(SOURCES)}",

@@ -48,6 +48,12 @@ class SyntheticWindows:
     progression = start[:, None] + stride[:, None] * self._offsets
     return progression % self._vocab_size
 
+  def segments(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each window is one document."""
+    seq_len = len(self._offsets) - 1
+    return (np.ones((len(ids), seq_len), np.int32),
+            np.broadcast_to(np.arange(seq_len, dtype=np.int32), (len(ids), seq_len)).copy())
+
 
 def synthetic_loss_floor(seq_len: int, vocab_size: int) -> float:
   """The irreducible mean next-token loss (nats) of the synthetic task."""

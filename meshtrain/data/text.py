@@ -1,32 +1,23 @@
-"""Byte-level text: one token per UTF-8 byte, so the vocabulary is 256.
+"""Byte-level text: one token per UTF-8 byte of one file (vocabulary 256), one document.
 
-The file is read once. Window id `i` is the `seq_len + 1` tokens starting at
-byte `i * seq_len`: neighbouring windows share one token, so each epoch every
-byte is a target once, except the first and a tail shorter than `seq_len`.
+The file is read once; its windows are those of `meshtrain.data.windows`.
 """
 
 from pathlib import Path
 
 import numpy as np
 
+from meshtrain.data.windows import TokenWindows
 from meshtrain.errors import ConfigError
 
 BYTE_VOCAB_SIZE = 256
 
 
-class TextWindows:
-  """The windows of one text file, indexed by window id."""
-
-  def __init__(self, path: str | None, *, seq_len: int, vocab_size: int):
-    self._tokens = _read_tokens(path, min_tokens=seq_len + 1)
-    _check_vocab_size(self._tokens, vocab_size)
-    self.num_windows = (len(self._tokens) - 1) // seq_len
-    self._seq_len = seq_len
-    self._offsets = np.arange(seq_len + 1)
-
-  def __call__(self, ids: np.ndarray) -> np.ndarray:
-    """uint8[len(ids), seq_len + 1] windows for the window ids."""
-    return self._tokens[ids[:, None] * self._seq_len + self._offsets]
+def text_windows(path: str | None, *, seq_len: int, vocab_size: int) -> TokenWindows:
+  """The windows of one text file."""
+  tokens = _read_tokens(path, min_tokens=seq_len + 1)
+  _check_vocab_size(tokens, vocab_size)
+  return TokenWindows(tokens, seq_len=seq_len)
 
 
 def _read_tokens(path: str | None, *, min_tokens: int) -> np.ndarray:

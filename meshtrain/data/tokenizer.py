@@ -75,11 +75,16 @@ class HuggingFaceTokenizer:
 Tokenizer = ByteTokenizer | HuggingFaceTokenizer
 
 
-def document_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-  """Each text as `[bos] + tokens + [eos]`."""
+def document_ids(tokenizer: Tokenizer, texts: Sequence[str], *,
+                 starts: Sequence[bool] | None = None,
+                 ends: Sequence[bool] | None = None) -> list[np.ndarray]:
+  """Each text as `[bos] + tokens + [eos]`; where a text is a piece of a
+  document, `starts[i]` / `ends[i]` say whether it takes the bos / the eos."""
+  starts = [True] * len(texts) if starts is None else starts
+  ends = [True] * len(texts) if ends is None else ends
   head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  return [np.concatenate([head, ids, [tokenizer.eos_id]]).astype(np.int64)
-          for ids in tokenizer.encode_batch(texts)]
+  return [np.concatenate([head if start else [], ids, [tokenizer.eos_id] if end else []])
+          .astype(np.int64) for ids, start, end in zip(tokenizer.encode_batch(texts), starts, ends)]
 
 
 def load(spec: str, *, key: str) -> Tokenizer:

@@ -12,37 +12,20 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from meshtrain import rules as r
 from meshtrain.analysis.flops import flops_per_token
 from meshtrain.data import make_iterator
-from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.data.placement import process_rows, to_global
+from meshtrain.errors import TrainingHalted
+from meshtrain.evaluate import due, evaluator_for
+from meshtrain.mesh import make_mesh
 from meshtrain.train.metrics import MetricsWriter
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
 from meshtrain.train.state import model_config
-
-
-def process_rows(sharding, global_shape: tuple[int, ...]) -> range:
-  """The rows of the global batch that this process's devices hold: the only
-  ones it reads. Under a hybrid mesh they are one contiguous block."""
-  spans = {(index[0].start or 0, global_shape[0] if index[0].stop is None else index[0].stop)
-           for index in sharding.addressable_devices_indices_map(global_shape).values()}
-  first, end = min(s for s, _ in spans), max(e for _, e in spans)
-  if sum(e - s for s, e in spans) != end - first:
-    raise ConfigError("config.mesh.across_hosts", "this process's devices hold rows of the batch "
-                      "that are not one block; put `data` first in across_hosts")
-  return range(first, end)
-
-
-def to_global(local_batch: dict[str, np.ndarray], sharding,
-              global_shape: tuple[int, ...] | None = None) -> dict[str, jax.Array]:
-  """This process's rows -> one global array per key, laid out by `sharding`."""
-  return {key: jax.make_array_from_process_local_data(sharding, value, global_shape)
-          for key, value in local_batch.items()}
 
 
 def describe(setup: Setup) -> str:
@@ -57,9 +40,27 @@ def describe(setup: Setup) -> str:
   return "\n".join(lines)
 
 
+def padded_vocab(cfg):
+  """The config with `model.vocab_size` rounded up to a multiple of the mesh's
+  `tensor` size where the data is a prepared corpus: the rows past the
+  tokenizer's ids are padding (never a target), and `vocab` splits evenly."""
+  tensor = make_mesh(cfg.mesh, jax.devices()).shape["tensor"]
+  if cfg.data.source != "tokens" or not cfg.model.vocab_size % tensor:
+    return cfg
+  cfg = cfg.copy_and_resolve_references()
+  padded = -(-cfg.model.vocab_size // tensor) * tensor
+  if jax.process_index() == 0:
+    print(f"model.vocab_size {cfg.model.vocab_size} -> {padded}, a multiple of mesh.tensor = "
+          f"{tensor}", flush=True)
+  cfg.model.vocab_size = padded
+  return cfg
+
+
 def train(cfg) -> list[dict]:
   """Runs up to step `cfg.steps` and returns the records logged by this call."""
+  cfg = padded_vocab(cfg)
   setup = build(cfg)
+  evaluator = evaluator_for(cfg, setup)
   sharding = setup.train_step.batch_sharding
   batch_shape = (cfg.global_batch, cfg.seq_len)
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -92,7 +93,8 @@ def train(cfg) -> list[dict]:
         bar.update(1)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
           checkpoints.save(step, state, batches, cfg)
-        logging = not step % cfg.log_every or step in (first, cfg.steps)
+        evaluating = evaluator is not None and due(cfg, step)
+        logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
         preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
         if not (logging or preempted):
           continue
@@ -106,11 +108,14 @@ def train(cfg) -> list[dict]:
         if step == first:  # the first step includes compilation: report it apart
           record["compile_time_s"] = record.pop("step_time_s")
           record["tokens_per_sec"] = record["mfu"] = None
+        if evaluating:
+          record.update(evaluator(state.params))
         writer.write(record)
         records.append(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}",
-                        tok_s=f"{record['tokens_per_sec'] or 0:,.0f}")
-        last_step, last_time = step, now
+                        tok_s=f"{record['tokens_per_sec'] or 0:,.0f}",
+                        **({"eval_loss": f"{record['eval_loss']:.4f}"} if evaluating else {}))
+        last_step, last_time = step, time.perf_counter()  # not counting the evaluation
         if record["nonfinite_steps"] and cfg.nan_policy == "stop":
           good = int(state.step)
           checkpoints.save(good, state, batches, cfg)

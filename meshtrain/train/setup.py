@@ -1,6 +1,7 @@
 """From a config to everything a run needs: mesh, rules, model, optimizer, state layout and step."""
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import optax
@@ -35,6 +36,7 @@ class Setup:
   schedule: optax.Schedule
   shardings: TrainState
   train_step: TrainStep
+  loss_fn: Callable[[dict, dict], jax.Array]  # (params, batch) -> mean loss, as the step trains it
 
   def init_state(self) -> TrainState:
     return init_state(self.spec, self.optimizer, self.shardings)
@@ -146,4 +148,4 @@ def build(cfg, devices=None) -> Setup:
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
                    schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)
-  return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step)
+  return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)

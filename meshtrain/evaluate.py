@@ -1,0 +1,105 @@
+"""Held-out evaluation: mean loss and perplexity on fixed validation batches, on the training mesh.
+
+The batches are the first `config.eval.batches` global batches of the
+validation split, drawn once, so every evaluation of a run (and `meshtrain
+eval` of its checkpoints) sees the same tokens. Each process keeps only its
+rows, as in training. The loss is the training loss (`Setup.loss_fn`, so
+packing and masking agree), run forward only on the weights as the step sees
+them (cast to `param_dtype`, laid out by the `params` rules), over the
+`grad_accum_steps` microbatches of a batch in turn so the activations stay
+those of one training microbatch; on a pipeline mesh, through the pipeline's
+forward-only schedule. It is compiled once: every call has the same shapes
+and shardings.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshtrain import rules as r
+from meshtrain.data import make_iterator
+from meshtrain.data.placement import process_rows, to_global
+from meshtrain.errors import ConfigError
+from meshtrain.train import pipelined
+from meshtrain.train.microbatch import split_microbatches
+from meshtrain.train.setup import Setup, build
+from meshtrain.workdir import load_params
+
+
+class Evaluator:
+  """`evaluator(params) -> {"eval_loss", "eval_perplexity"}` for the master weights of a state."""
+
+  def __init__(self, cfg, setup: Setup):
+    if cfg.eval.batches < 1:
+      raise ConfigError("config.eval.batches", f"is {cfg.eval.batches}; evaluate at least 1 batch")
+    loss_fn = _loss_fn(cfg, setup)
+    sharding = setup.train_step.batch_sharding
+    batch_shape = (cfg.global_batch, cfg.seq_len)
+    batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                            vocab_size=cfg.model.vocab_size, seed=cfg.seed,
+                            rows=process_rows(sharding, batch_shape), split="val")
+    self._batches = [to_global(next(batches), sharding, batch_shape)
+                     for _ in range(cfg.eval.batches)]
+    self._setup = setup
+    self.traces = 0  # how often the loss was traced (compiled): once per run
+    param_shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
+    dtype = jnp.dtype(cfg.param_dtype)
+
+    def mean_loss(params, batch):
+      self.traces += 1
+      working = jax.lax.with_sharding_constraint(
+          jax.tree.map(lambda x: x.astype(dtype), params), param_shardings)
+      return loss_fn(working, batch)
+
+    self._jitted = jax.jit(mean_loss, in_shardings=(setup.shardings.params,
+                                                    setup.train_step.batch_sharding))
+
+  def __call__(self, params) -> dict[str, float]:
+    with jax.set_mesh(self._setup.mesh), nnx.logical_axis_rules(self._setup.rules.params):
+      losses = [self._jitted(params, batch) for batch in self._batches]
+    loss = float(np.mean(jax.device_get(losses)))
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+
+def _loss_fn(cfg, setup: Setup):
+  """(params, batch) -> mean loss, forward only: the pipeline's forward
+  schedule on a pipeline mesh, else the training loss over the step's
+  `grad_accum_steps` microbatches in turn."""
+  if setup.mesh.shape["pipeline"] > 1:
+    forward = getattr(pipelined, "pipelined_loss", None)  # the pipeline's forward-only schedule
+    if forward is None:
+      raise ConfigError("config.eval.every_steps", "evaluation on a pipeline mesh needs the "
+                        "pipeline's forward-only schedule, which is not there yet; set it to 0 and "
+                        "evaluate the checkpoints with `meshtrain eval --workdir W "
+                        "--config.mesh.pipeline=1`")
+    return forward(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
+
+  def microbatched(params, batch):
+    losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch),
+                         split_microbatches(batch, cfg.grad_accum_steps))
+    return jnp.mean(losses)
+  return microbatched
+
+
+def evaluator_for(cfg, setup: Setup) -> Evaluator | None:
+  """The run's evaluator, or None where `config.eval.every_steps` is 0."""
+  if cfg.eval.every_steps < 0:
+    raise ConfigError("config.eval.every_steps", f"is {cfg.eval.every_steps}; use 0 (no "
+                      "evaluation) or the steps between evaluations")
+  return Evaluator(cfg, setup) if cfg.eval.every_steps else None
+
+
+def due(cfg, step: int) -> bool:
+  """Whether the run evaluates after `step`: every `eval.every_steps` and at the last step."""
+  return bool(cfg.eval.every_steps) and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
+
+
+def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
+  """Evaluates the weights of checkpoint `step` in `workdir` on `cfg`'s mesh."""
+  setup = build(cfg)
+  evaluator = Evaluator(cfg, setup)
+  params = load_params(workdir, step, setup.spec.abstract_params, setup.shardings.params)
+  return {"step": step, **evaluator(params)}
