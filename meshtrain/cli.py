@@ -16,6 +16,7 @@ import meshtrain.config
 from meshtrain import distributed, launch
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.hf import importer
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -39,6 +40,11 @@ _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here"
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
+
+# import-hf / export-hf / generate
+_FROM = flags.DEFINE_string("from", None, "import-hf: a Hugging Face Llama directory")
+_TO = flags.DEFINE_string("to", None, "import-hf: the workdir to write; export-hf: the "
+                          "Hugging Face directory to write")
 
 
 def _use_simulated_devices(cfg) -> None:
@@ -98,6 +104,20 @@ def schedule_command(argv: list[str]) -> None:
     print(f"chart: {_OUT.value}")
 
 
+def import_hf_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _FROM.value or not _TO.value:
+    raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
+  cfg = _CONFIG.value
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  workdir = importer.import_hf(cfg, _FROM.value, _TO.value)
+  if jax.process_index() == 0:
+    print(f"imported {_FROM.value} into {workdir}; fine-tune with "
+          f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -107,7 +127,7 @@ def launch_command(argv: list[str]) -> None:
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
-            "launch": launch_command}
+            "launch": launch_command, "import-hf": import_hf_command}
 
 
 def _guarded(command):

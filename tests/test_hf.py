@@ -2,16 +2,26 @@
 from imported weights, on one device and sharded; export loads back into
 transformers; import then export gives the same tensors bit for bit."""
 
+import importlib.util
+import json
+
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
 
-from conftest import micro_config
+from conftest import REPO, micro_config
+from meshtrain.data import make_iterator
 from meshtrain.hf import config as hf_config
+from meshtrain.hf.importer import import_hf
 from meshtrain.hf.load import load_params
+from meshtrain.hf.weights import WEIGHTS
+from meshtrain.models.patterns import path_string
+from meshtrain.train.loop import train
+from meshtrain.train.resume import start_state
 from meshtrain.train.setup import build
 
 # Small Llamas covering grouped-query attention (kv heads split and whole under
@@ -76,3 +86,63 @@ def test_imported_model_computes_transformers_logits(hf_model, mesh):
   got = meshtrain_logits(cfg, params, x, setup)
   scale = np.abs(expected).max()
   assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
+
+
+
+def finetune_config(source, workdir, **changes):
+  """configs/finetune_hf.py:SOURCE, made micro: float32, short sequences, one step."""
+  spec = importlib.util.spec_from_file_location("finetune_hf", REPO / "configs/finetune_hf.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config(str(source))
+  cfg.update(dict(seq_len=16, global_batch=16, steps=1, log_every=1, compute_dtype="float32",
+                  param_dtype="float32", remat="none", workdir=str(workdir), **changes))
+  return cfg
+
+
+def hf_loss(model, batch):
+  logits = torch.as_tensor(hf_logits(model, batch["inputs"]))
+  targets = torch.as_tensor(batch["targets"]).long()
+  return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_fine_tuning_an_imported_workdir_starts_at_the_models_loss(tmp_path):
+  source = tmp_path / "hf"
+  model = save_hf_llama(source, **CASES["untied_gqa"])
+  imported = import_hf(micro_config(), source, tmp_path / "imported")
+  saved = json.loads((imported / "config.json").read_text())
+  assert saved["model"]["num_kv_heads"] == 2 and (imported / "checkpoints/0").is_dir()
+  cfg = finetune_config(imported, imported)
+  first_batch = next(make_iterator(cfg.data, seq_len=16, global_batch=16, vocab_size=64,
+                                   seed=cfg.seed))
+  records = train(cfg)
+  assert records[0]["step"] == 1
+  assert records[0]["loss"] == pytest.approx(hf_loss(model, first_batch), rel=1e-5)
+
+
+def hf_tensors_of(params, num_layers):
+  """meshtrain's parameters as Hugging Face tensors (by the name mapping)."""
+  tensors = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]:
+    weight = WEIGHTS[path_string(path)]
+    layers = list(leaf) if weight.stacked else [leaf]
+    tensors.update(zip(weight.hf_names(num_layers), map(weight.to_hf, layers)))
+  return tensors
+
+
+def test_init_from_starts_a_run_from_the_hf_weights_bit_for_bit(tmp_path):
+  source = tmp_path / "hf"
+  save_hf_llama(source, **CASES["tied_llama3_rope"])
+  cfg = finetune_config(source, tmp_path / "run")
+  assert cfg.init_from == f"hf:{source}"
+  setup = build(cfg)
+  state, checkpoints, origin = start_state(cfg, setup, batches=None)
+  checkpoints.close()
+  assert origin == f"initialized from hf:{source}" and int(state.step) == 0
+  expected = safetensors.numpy.load_file(source / "model.safetensors")
+  got = hf_tensors_of(state.params, cfg.model.num_layers)
+  assert sorted(got) == sorted(expected)
+  for name, tensor in expected.items():
+    np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+  assert all(not np.any(x) for x in jax.tree.leaves(jax.device_get(state.opt_state))
+             if np.ndim(x) > 0)  # fresh Adam moments
