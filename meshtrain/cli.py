@@ -14,11 +14,13 @@ from ml_collections import config_flags
 
 import meshtrain.config
 from meshtrain import distributed, launch
+from meshtrain import workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.errors import ConfigError, TrainingHalted
-from meshtrain.hf import importer
+from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
+from meshtrain.train.setup import build
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", default=meshtrain.config.__file__,
@@ -45,6 +47,12 @@ _DEVICES_PER_PROCESS = flags.DEFINE_integer(
 _FROM = flags.DEFINE_string("from", None, "import-hf: a Hugging Face Llama directory")
 _TO = flags.DEFINE_string("to", None, "import-hf: the workdir to write; export-hf: the "
                           "Hugging Face directory to write")
+_WORKDIR = flags.DEFINE_string("workdir", None, "export-hf, generate: the run's workdir")
+_STEP = flags.DEFINE_integer("step", None, "export-hf, generate: its checkpoint (default: newest)")
+_DTYPE = flags.DEFINE_string("dtype", "", "export-hf: float32 | bfloat16 | float16 "
+                             "(default: the imported model's, else float32)")
+_MAX_SHARD_MB = flags.DEFINE_integer("max_shard_mb", 5120, "export-hf: safetensors files above "
+                                     "this size are split into shards with an index")
 
 
 def _use_simulated_devices(cfg) -> None:
@@ -118,6 +126,32 @@ def import_hf_command(argv: list[str]) -> None:
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
 
 
+def _saved_run():
+  """The config of --workdir (--config.* flags apply), its mesh and the weights of --step."""
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a run (or of import-hf)")
+  cfg = saved_run.load_config(_WORKDIR.value, config_flags.get_override_values(flags.FLAGS["config"]))
+  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  return cfg, step, build(cfg)
+
+
+def export_hf_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _TO.value:
+    raise ConfigError("--to", "give the directory to write: meshtrain export-hf --workdir W --to DIR")
+  exporter.check_target(_TO.value)
+  cfg, step, setup = _saved_run()
+  params = saved_run.load_params(_WORKDIR.value, step, setup.spec.abstract_params,
+                                 setup.shardings.params)
+  files = exporter.export_hf(cfg, params, _WORKDIR.value, _TO.value, dtype=_DTYPE.value,
+                             max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
+  if jax.process_index() == 0:
+    print(f"exported step {step} of {_WORKDIR.value} to {_TO.value}: {', '.join(files)}")
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -127,7 +161,8 @@ def launch_command(argv: list[str]) -> None:
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
-            "launch": launch_command, "import-hf": import_hf_command}
+            "launch": launch_command, "import-hf": import_hf_command,
+            "export-hf": export_hf_command}
 
 
 def _guarded(command):

@@ -1,0 +1,60 @@
+"""A run's workdir read back (export-hf, generate): its config and the weights of one checkpoint."""
+
+import json
+from pathlib import Path
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from meshtrain.config import get_config
+from meshtrain.errors import ConfigError
+
+
+def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
+  """The config `workdir` was written with (keys it predates at their defaults),
+  with `overrides` ({"mesh.tensor": 2, ...}, from --config.* flags) applied."""
+  file = Path(workdir) / "config.json"
+  if not file.is_file():
+    raise ConfigError("--workdir", f"{workdir} has no config.json; give a workdir that "
+                      "`meshtrain train` or `meshtrain import-hf` wrote")
+  cfg = get_config()
+  cfg.update(json.loads(file.read_text()))
+  for key, value in overrides.items():
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
+  return cfg
+
+
+def checkpoint_step(workdir, step: int | None) -> int:
+  """`step` if the workdir holds it, else (None) its newest checkpoint."""
+  directory = Path(workdir) / "checkpoints"
+  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if directory.is_dir() else []
+  if not steps:
+    raise ConfigError("--workdir", f"{workdir} holds no checkpoint (no {directory}/STEP)")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise ConfigError("--step", f"{workdir} has no checkpoint of step {step}; it has {steps}")
+  return step
+
+
+def load_params(workdir, step: int, abstract_params, shardings):
+  """The float32 master weights of checkpoint `step`, read straight into
+  `shardings` (whatever mesh wrote them); the optimizer state is not read."""
+  target = {"params": jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings)}
+  manager = ocp.CheckpointManager(
+      Path(workdir).absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+  except Exception as error:  # orbax and tensorstore raise many kinds on bad files
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ConfigError("--workdir", f"checkpoint {step} in {workdir} cannot be read into this "
+                      f"config's model ({reason})") from None
+  finally:
+    manager.close()
+  return restored["state"]["params"]
