@@ -14,8 +14,9 @@ from ml_collections import config_flags
 
 import meshtrain.config
 from meshtrain import distributed, launch
-from meshtrain import workdir as saved_run
+from meshtrain import generate, workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, schedule as schedules
@@ -27,7 +28,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     help_string="A config file with get_config(); `file.py:arg` passes arg. "
                 "Override any key with --config.KEY=VALUE.",
     lock_config=True)
-_JSON = flags.DEFINE_bool("json", False, "plan: print JSON instead of tables")
+_JSON = flags.DEFINE_bool("json", False, "plan: print JSON instead of tables; generate: one "
+                            "JSON object per prompt")
 _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and read its memory "
                              "and collectives (on --devices simulated CPU devices if set)")
 _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (default: the "
@@ -53,6 +55,14 @@ _DTYPE = flags.DEFINE_string("dtype", "", "export-hf: float32 | bfloat16 | float
                              "(default: the imported model's, else float32)")
 _MAX_SHARD_MB = flags.DEFINE_integer("max_shard_mb", 5120, "export-hf: safetensors files above "
                                      "this size are split into shards with an index")
+_PROMPT = flags.DEFINE_string("prompt", None, "generate: the text to continue")
+_PROMPTS = flags.DEFINE_string("prompts", None, "generate: a file of prompts, one per line")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 100, "generate: new tokens per prompt at most")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "generate: softmax temperature; 0 is greedy")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest tokens (0: all)")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: sample from the likeliest tokens holding "
+                            "this share of the probability")
+_SEED = flags.DEFINE_integer("seed", 0, "generate: random seed of the sampling")
 
 
 def _use_simulated_devices(cfg) -> None:
@@ -152,6 +162,43 @@ def export_hf_command(argv: list[str]) -> None:
     print(f"exported step {step} of {_WORKDIR.value} to {_TO.value}: {', '.join(files)}")
 
 
+def _prompt_texts() -> list[str]:
+  if bool(_PROMPT.value is not None) == bool(_PROMPTS.value):
+    raise ConfigError("--prompt", "give either --prompt TEXT or --prompts FILE (one prompt a line)")
+  if _PROMPT.value is not None:
+    return [_PROMPT.value]
+  try:
+    texts = [line for line in Path(_PROMPTS.value).read_text().splitlines() if line.strip()]
+  except (OSError, UnicodeDecodeError) as error:
+    raise ConfigError("--prompts", f"cannot read {_PROMPTS.value} ({error})") from None
+  if not texts:
+    raise ConfigError("--prompts", f"{_PROMPTS.value} holds no prompt")
+  return texts
+
+
+def generate_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  texts = _prompt_texts()
+  sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  sampling.check()
+  if _MAX_TOKENS.value < 1:
+    raise ConfigError("--max_tokens", f"{_MAX_TOKENS.value} must be >= 1")
+  cfg, step, setup = _saved_run()
+  tokenizer = tokenizers.for_config(cfg)
+  prompts = generate.prompt_ids(tokenizer, texts, cfg.model.vocab_size)
+  generator = generate.from_workdir(_WORKDIR.value, step, setup, eos_id=tokenizer.eos_id)
+  outputs = generator(prompts, _MAX_TOKENS.value, sampling, _SEED.value)
+  if jax.process_index():
+    return
+  for text, prompt, tokens in zip(texts, prompts, outputs):
+    completion = tokenizer.decode(tokens)
+    if _JSON.value:
+      print(json.dumps({"prompt_tokens": prompt, "tokens": tokens, "text": completion}))
+    else:
+      print(f"{text}{completion}\n")
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -162,7 +209,7 @@ def launch_command(argv: list[str]) -> None:
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
             "launch": launch_command, "import-hf": import_hf_command,
-            "export-hf": export_hf_command}
+            "export-hf": export_hf_command, "generate": generate_command}
 
 
 def _guarded(command):
