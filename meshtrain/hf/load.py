@@ -9,6 +9,7 @@ pages count as the process's memory) is let go at once.
 """
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -22,6 +23,8 @@ from meshtrain.hf.weights import WEIGHTS, Weight
 from meshtrain.models.patterns import path_string
 
 INDEX_FILE = "model.safetensors.index.json"
+READ_BYTES = 64 * 2**20  # of a tensor's file bytes mapped at once
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 SINGLE_FILE = "model.safetensors"
 
 
@@ -57,8 +60,24 @@ class SafetensorsDir:
       return tuple(f.get_slice(name).get_shape())
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor[index], read in runs of rows of at most READ_BYTES of the file,
+    each through its own memory map."""
     with safe_open(self.files[name], "numpy") as f:
-      return f.get_slice(name)[index]
+      tensor = f.get_slice(name)
+      shape, dtype = tensor.get_shape(), tensor.get_dtype()
+      if len(shape) == 1:
+        return tensor[index]
+    first, stop, _ = index[0].indices(shape[0])
+    row_bytes = math.prod(shape[1:]) * _ITEMSIZE.get(dtype, 4)
+    step = max(1, READ_BYTES // row_bytes)
+    out = None
+    for start in range(first, stop, step):
+      with safe_open(self.files[name], "numpy") as f:
+        rows = f.get_slice(name)[(slice(start, min(start + step, stop)), *index[1:])]
+      if out is None:
+        out = np.empty((stop - first, *rows.shape[1:]), rows.dtype)
+      out[start - first:start - first + len(rows)] = rows
+    return out
 
 
 def _check_shapes(tensors: SafetensorsDir, abstract_params, num_layers: int) -> None:
@@ -77,9 +96,14 @@ def _block(tensors: SafetensorsDir, weight: Weight, shape, index, dtype) -> np.n
   if not weight.stacked:
     return weight.read(lambda i: tensors.read(weight.hf_name, i), shape, index).astype(dtype)
   first, stop, _ = index[0].indices(shape[0])
-  return np.stack([weight.read(lambda i: tensors.read(weight.hf_name.format(layer=layer), i),
-                               shape[1:], index[1:]).astype(dtype)
-                   for layer in range(first, stop)])
+  block = None
+  for layer in range(first, stop):
+    name = weight.hf_name.format(layer=layer)
+    one = weight.read(lambda i: tensors.read(name, i), shape[1:], index[1:])
+    if block is None:
+      block = np.empty((stop - first, *one.shape), dtype)
+    block[layer - first] = one
+  return block
 
 
 def _place(tensors: SafetensorsDir, weight: Weight, abstract, sharding) -> jax.Array:
