@@ -44,17 +44,14 @@ def load_params(workdir, step: int, abstract_params, shardings):
   `shardings` (whatever mesh wrote them); the optimizer state is not read."""
   target = {"params": jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings)}
-  manager = ocp.CheckpointManager(
-      Path(workdir).absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+  path = Path(workdir).absolute() / "checkpoints" / str(step) / "state"
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True))
   except Exception as error:  # orbax and tensorstore raise many kinds on bad files
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ConfigError("--workdir", f"checkpoint {step} in {workdir} cannot be read into this "
                       f"config's model ({reason})") from None
-  finally:
-    manager.close()
-  return restored["state"]["params"]
+  return restored["params"]

@@ -8,11 +8,14 @@ Writes the first, which both versions load.
 import json
 from pathlib import Path
 
+from meshtrain.config import get_config
 from meshtrain.errors import ConfigError
 
 CONFIG_FILE = "config.json"
-LLAMA3_DEFAULTS = {"rope_scaling_factor": 1.0, "rope_low_freq_factor": 1.0,
-                   "rope_high_freq_factor": 4.0, "rope_original_max_positions": 8192}
+# No RoPE scaling: the llama3 keys at their defaults.
+LLAMA3_DEFAULTS = {key: get_config().model[key] for key in (
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_positions")}
 # HF keys meshtrain writes itself on export; everything else of the source config is kept.
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
