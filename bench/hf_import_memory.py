@@ -43,8 +43,10 @@ def write_checkpoint(directory: Path) -> None:
   for i in range(c["num_hidden_layers"]):
     layer = f"model.layers.{i}."
     shapes.update({
-        layer + "self_attn.q_proj.weight": (n * h, d), layer + "self_attn.k_proj.weight": (k * h, d),
-        layer + "self_attn.v_proj.weight": (k * h, d), layer + "self_attn.o_proj.weight": (d, n * h),
+        layer + "self_attn.q_proj.weight": (n * h, d),
+        layer + "self_attn.k_proj.weight": (k * h, d),
+        layer + "self_attn.v_proj.weight": (k * h, d),
+        layer + "self_attn.o_proj.weight": (d, n * h),
         layer + "mlp.gate_proj.weight": (f, d), layer + "mlp.up_proj.weight": (f, d),
         layer + "mlp.down_proj.weight": (d, f), layer + "input_layernorm.weight": (d,),
         layer + "post_attention_layernorm.weight": (d,)})
@@ -110,11 +112,12 @@ def main() -> None:
   sys.path.insert(0, str(REPO / "bench"))
   os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
   from report import write_section
-  table = ("| model | mesh | placed MiB | import overhead MiB | largest tensor MiB | overhead / largest "
-           "| seconds |\n|---|---|---|---|---|---|---|\n"
-           f"| Llama 3.2 1B shape, bf16 safetensors | {row['mesh']} on {row['devices']} cpu devices "
-           f"| {row['placed_mib']:.0f} | {row['overhead_mib']:.0f} | {row['largest_tensor_mib']:.0f} "
-           f"| {row['overhead_over_largest_tensor']:.2f} | {row['seconds']:.0f} |")
+  table = ("| model | mesh | placed MiB | import overhead MiB | largest tensor MiB "
+           "| overhead / largest | seconds |\n|---|---|---|---|---|---|---|\n"
+           f"| Llama 3.2 1B shape, bf16 safetensors | {row['mesh']} on {row['devices']} cpu "
+           f"devices | {row['placed_mib']:.0f} | {row['overhead_mib']:.0f} "
+           f"| {row['largest_tensor_mib']:.0f} | {row['overhead_over_largest_tensor']:.2f} "
+           f"| {row['seconds']:.0f} |")
   write_section("hf_import_memory", [row], table, "python bench/hf_import_memory.py")
 
 

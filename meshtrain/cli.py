@@ -140,7 +140,8 @@ def _saved_run():
   """The config of --workdir (--config.* flags apply), its mesh and the weights of --step."""
   if not _WORKDIR.value:
     raise ConfigError("--workdir", "give the workdir of a run (or of import-hf)")
-  cfg = saved_run.load_config(_WORKDIR.value, config_flags.get_override_values(flags.FLAGS["config"]))
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  cfg = saved_run.load_config(_WORKDIR.value, overrides)
   step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
   _use_simulated_devices(cfg)
   distributed.initialize(cfg.distributed)
@@ -151,7 +152,8 @@ def export_hf_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   if not _TO.value:
-    raise ConfigError("--to", "give the directory to write: meshtrain export-hf --workdir W --to DIR")
+    raise ConfigError("--to", "give the directory to write: "
+                      "meshtrain export-hf --workdir W --to DIR")
   exporter.check_target(_TO.value)
   cfg, step, setup = _saved_run()
   params = saved_run.load_params(_WORKDIR.value, step, setup.spec.abstract_params,

@@ -131,13 +131,16 @@ class Generator:
         token_B, cache = decode(self.params, token_B, cache, prompt_len + step - 1, first_B,
                                 jax.random.fold_in(key, step))
         generated.append(token_B)
-        if self.eos_id is not None and step % 16 == 0 and self._all_ended(generated):
+        if step % 16 == 0 and self._all_ended(generated, len(prompts)):
           break
     tokens_BxN = np.stack(jax.device_get(generated), axis=1)[:len(prompts)]
     return [self._until_eos(row.tolist()) for row in tokens_BxN]
 
-  def _all_ended(self, generated) -> bool:
-    return bool(jnp.any(jnp.stack(generated, 1) == self.eos_id, axis=1).all())
+  def _all_ended(self, generated: list[jax.Array], rows: int) -> bool:
+    """Whether each of the first `rows` rows (the prompts, not the spare rows) has ended."""
+    if self.eos_id is None:
+      return False
+    return bool(jnp.any(jnp.stack(generated, 1)[:rows] == self.eos_id, axis=1).all())
 
   def _until_eos(self, tokens: list[int]) -> list[int]:
     return tokens[:tokens.index(self.eos_id) + 1] if self.eos_id in tokens else tokens
@@ -169,7 +172,8 @@ class Generator:
     return jax.jit(prefill), jax.jit(decode, donate_argnums=2)
 
 
-def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str], vocab_size: int) -> list[list[int]]:
+def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str],
+               vocab_size: int) -> list[list[int]]:
   """Each text as `[bos] + tokens` (a prompt goes on: no end-of-document token)."""
   prompts = [ids[:-1].tolist() for ids in tokenizers.document_ids(tokenizer, texts)]
   if not all(prompts):

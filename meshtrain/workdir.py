@@ -29,7 +29,7 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
 def checkpoint_step(workdir, step: int | None) -> int:
   """`step` if the workdir holds it, else (None) its newest checkpoint."""
   directory = Path(workdir) / "checkpoints"
-  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if directory.is_dir() else []
+  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
   if not steps:
     raise ConfigError("--workdir", f"{workdir} holds no checkpoint (no {directory}/STEP)")
   if step is None:

@@ -70,19 +70,20 @@ def test_greedy_equals_transformers_generate_on_an_imported_model(tmp_path):
 
 def test_sampling_draws_from_the_cut_distribution():
   probs = np.array([0.5, 0.3, 0.15, 0.05])
-  logits = jnp_logits = np.log(probs)[None].repeat(20_000, 0)
+  logits_BxV = np.log(probs)[None].repeat(20_000, 0)
+
   def frequencies(sampling):
-    draws = np.asarray(generate.sample(jnp_logits, jax.random.key(0), sampling))
+    draws = np.asarray(generate.sample(logits_BxV, jax.random.key(0), sampling))
     return np.bincount(draws, minlength=4) / len(draws)
   np.testing.assert_allclose(frequencies(generate.Sampling()), probs, atol=0.01)
-  np.testing.assert_allclose(frequencies(generate.Sampling(top_k=2)), [0.625, 0.375, 0, 0], atol=0.01)
+  np.testing.assert_allclose(frequencies(generate.Sampling(top_k=2)), [0.625, 0.375, 0, 0],
+                             atol=0.01)
   # top_p 0.7: 0.5 then 0.3 reach it; the rest is cut
   np.testing.assert_allclose(frequencies(generate.Sampling(top_p=0.7)), [0.625, 0.375, 0, 0],
                              atol=0.01)
   tempered = probs ** 2 / (probs ** 2).sum()  # temperature 0.5 squares the probabilities
   np.testing.assert_allclose(frequencies(generate.Sampling(temperature=0.5)), tempered, atol=0.01)
   assert (frequencies(generate.Sampling(temperature=0.0)) == [1, 0, 0, 0]).all()
-  del logits
 
 
 def meshtrain_generate(*args, cwd):

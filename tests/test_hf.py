@@ -231,8 +231,8 @@ def good_hf_dir(tmp_path_factory):
     (_no_config, "has no config.json"), (_not_llama, "model_type 'gpt2'"),
     (_missing_shard, "model-00002-of-00002.safetensors is missing"),
     (_wrong_shape, r"k_proj.weight is \[8, 32\] .* implies \[16, 32\]")])
-def test_bad_model_directories_are_refused_before_anything_is_written(breakage, message, good_hf_dir,
-                                                                      tmp_path):
+def test_bad_model_directories_are_refused_before_anything_is_written(breakage, message,
+                                                                      good_hf_dir, tmp_path):
   source = tmp_path / "hf"
   shutil.copytree(good_hf_dir, source)
   breakage(source)

@@ -43,7 +43,8 @@ def init_from(cfg, setup: Setup) -> TrainState:
   """The start of a run with `config.init_from=hf:DIR`; its `config.model` must be DIR's model."""
   key = "config.init_from"
   if not cfg.init_from.startswith(PREFIX):
-    raise ConfigError(key, f"{cfg.init_from!r} is not '' or 'hf:DIR' (a Hugging Face model directory)")
+    raise ConfigError(key, f"{cfg.init_from!r} is not '' or 'hf:DIR' (a Hugging Face model "
+                      "directory)")
   directory = cfg.init_from[len(PREFIX):]
   check_model(directory, cfg.model, key=key)
   return initial_state(setup, directory, key=key)
