@@ -264,3 +264,19 @@ def test_import_and_export_commands(good_hf_dir, tmp_path):
   again = meshtrain("export-hf", "--workdir=imported", "--to=exported", cwd=tmp_path)
   assert again.returncode == 2 and again.stderr.strip().splitlines() == [
       "error: --to: exported already holds a model; give a new or empty directory"]
+
+
+def test_bfloat16_checkpoint_round_trips_bit_for_bit_through_float32_master_weights(tmp_path):
+  source = tmp_path / "hf"
+  save_hf_llama(source, **CASES["untied_gqa"]).to(torch.bfloat16).save_pretrained(source)
+  imported = import_hf(micro_config(), source, tmp_path / "imported")
+  cfg = saved_run.load_config(imported, {})
+  setup = build(cfg)
+  params = saved_run.load_params(imported, 0, setup.spec.abstract_params, setup.shardings.params)
+  export_hf(cfg, params, imported, tmp_path / "exported")  # in the source's dtype
+  expected = safetensors.numpy.load_file(source / "model.safetensors")
+  got = safetensors.numpy.load_file(tmp_path / "exported/model.safetensors")
+  assert {t.dtype.name for t in got.values()} == {"bfloat16"}
+  assert sorted(got) == sorted(expected)
+  for name, tensor in expected.items():
+    np.testing.assert_array_equal(got[name].view(np.uint16), tensor.view(np.uint16), err_msg=name)
