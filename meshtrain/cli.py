@@ -13,20 +13,24 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, launch, workdir as saved_run
+from meshtrain import distributed, generate, launch, workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.evaluate import evaluate_checkpoint
+from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
+from meshtrain.train.setup import build
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", default=meshtrain.config.__file__,
     help_string="A config file with get_config(); `file.py:arg` passes arg. "
                 "Override any key with --config.KEY=VALUE.",
     lock_config=True)
-_JSON = flags.DEFINE_bool("json", False, "plan: print JSON instead of tables")
+_JSON = flags.DEFINE_bool("json", False, "plan: print JSON instead of tables; generate: one "
+                            "JSON object per prompt")
 _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and read its memory "
                              "and collectives (on --devices simulated CPU devices if set)")
 _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (default: the "
@@ -49,12 +53,30 @@ _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: bla
                                        "documents in text files (default: one document per file)")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "
                                    "for evaluation")
-_WORKDIR = flags.DEFINE_string("workdir", None, "eval: the workdir of a training run (its saved "
-                               "config; --config.KEY=VALUE flags change it, e.g. the mesh)")
-_STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the newest)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate: the run's workdir (its "
+                               "saved config; --config.KEY=VALUE flags change it, e.g. the mesh)")
+_STEP = flags.DEFINE_integer("step", None, "eval, export-hf, generate: the checkpoint "
+                             "step (default: the newest)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
+
+# import-hf / export-hf / generate
+_FROM = flags.DEFINE_string("from", None, "import-hf: a Hugging Face Llama directory")
+_TO = flags.DEFINE_string("to", None, "import-hf: the workdir to write; export-hf: the "
+                          "Hugging Face directory to write")
+_DTYPE = flags.DEFINE_string("dtype", "", "export-hf: float32 | bfloat16 | float16 "
+                             "(default: the imported model's, else float32)")
+_MAX_SHARD_MB = flags.DEFINE_integer("max_shard_mb", 5120, "export-hf: safetensors files above "
+                                     "this size are split into shards with an index")
+_PROMPT = flags.DEFINE_string("prompt", None, "generate: the text to continue")
+_PROMPTS = flags.DEFINE_string("prompts", None, "generate: a file of prompts, one per line")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 100, "generate: new tokens per prompt at most")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "generate: softmax temperature; 0 is greedy")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "generate: sample from the k likeliest tokens (0: all)")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "generate: sample from the likeliest tokens holding "
+                            "this share of the probability")
+_SEED = flags.DEFINE_integer("seed", 0, "generate: random seed of the sampling")
 
 
 def _use_simulated_devices(cfg) -> None:
@@ -130,15 +152,91 @@ def prepare_command(argv: list[str]) -> None:
 def eval_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  if not _WORKDIR.value:
-    raise ConfigError("--workdir", "give the workdir of a training run")
-  cfg = saved_run.load_config(_WORKDIR.value, config_flags.get_override_values(flags.FLAGS["config"]))
-  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
-  _use_simulated_devices(cfg)
-  distributed.initialize(cfg.distributed)
+  cfg, step = _saved_run()
   result = evaluate_checkpoint(cfg, _WORKDIR.value, step)
   if jax.process_index() == 0:
     print(json.dumps(result))
+
+
+def import_hf_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _FROM.value or not _TO.value:
+    raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
+  cfg = _CONFIG.value
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  workdir = importer.import_hf(cfg, _FROM.value, _TO.value)
+  if jax.process_index() == 0:
+    print(f"imported {_FROM.value} into {workdir}; fine-tune with "
+          f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
+
+
+def _saved_run():
+  """The config of --workdir (--config.* flags apply) and its checkpoint step --step."""
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a run (or of import-hf)")
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  cfg = saved_run.load_config(_WORKDIR.value, overrides)
+  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  return cfg, step
+
+
+def export_hf_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not _TO.value:
+    raise ConfigError("--to", "give the directory to write: "
+                      "meshtrain export-hf --workdir W --to DIR")
+  exporter.check_target(_TO.value)
+  cfg, step = _saved_run()
+  setup = build(cfg)
+  params = saved_run.load_params(_WORKDIR.value, step, setup.spec.abstract_params,
+                                 setup.shardings.params)
+  files = exporter.export_hf(cfg, params, _WORKDIR.value, _TO.value, dtype=_DTYPE.value,
+                             max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
+  if jax.process_index() == 0:
+    print(f"exported step {step} of {_WORKDIR.value} to {_TO.value}: {', '.join(files)}")
+
+
+def _prompt_texts() -> list[str]:
+  if bool(_PROMPT.value is not None) == bool(_PROMPTS.value):
+    raise ConfigError("--prompt", "give either --prompt TEXT or --prompts FILE (one prompt a line)")
+  if _PROMPT.value is not None:
+    return [_PROMPT.value]
+  try:
+    texts = [line for line in Path(_PROMPTS.value).read_text().splitlines() if line.strip()]
+  except (OSError, UnicodeDecodeError) as error:
+    raise ConfigError("--prompts", f"cannot read {_PROMPTS.value} ({error})") from None
+  if not texts:
+    raise ConfigError("--prompts", f"{_PROMPTS.value} holds no prompt")
+  return texts
+
+
+def generate_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  texts = _prompt_texts()
+  sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  sampling.check()
+  if _MAX_TOKENS.value < 1:
+    raise ConfigError("--max_tokens", f"{_MAX_TOKENS.value} must be >= 1")
+  cfg, step = _saved_run()
+  setup = build(cfg)
+  tokenizer = tokenizers.for_config(cfg)
+  prompts = generate.prompt_ids(tokenizer, texts, cfg.model.vocab_size)
+  generator = generate.from_workdir(_WORKDIR.value, step, setup, eos_id=tokenizer.eos_id)
+  outputs = generator(prompts, _MAX_TOKENS.value, sampling, _SEED.value)
+  if jax.process_index():
+    return
+  for text, prompt, tokens in zip(texts, prompts, outputs):
+    completion = tokenizer.decode(tokens)
+    if _JSON.value:
+      print(json.dumps({"prompt_tokens": prompt, "tokens": tokens, "text": completion}))
+    else:
+      print(f"{text}{completion}\n")
 
 
 def launch_command(argv: list[str]) -> None:
@@ -151,7 +249,8 @@ def launch_command(argv: list[str]) -> None:
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
             "launch": launch_command, "prepare": prepare_command,
-            "eval": eval_command}
+            "eval": eval_command, "import-hf": import_hf_command,
+            "export-hf": export_hf_command, "generate": generate_command}
 
 
 def _guarded(command):

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain import rules as r
+from meshtrain.models import rope
+from meshtrain.models.rope import rotary
 from meshtrain.parallel import sequence
 
 Remat = Literal["none", "full", "selective"]
@@ -37,6 +39,17 @@ class LlamaConfig:
   remat: Remat = "none"
   sequence_strategy: str = "all_gather_kv"  # attention when `sequence` splits the length
   attention_implementation: str = "xla"  # jax.nn.dot_product_attention's: xla | cudnn (flash)
+  rope_scaling_factor: float = 1.0  # Llama 3's RoPE scaling (models/rope.py); 1: none
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+
+  @property
+  def rope_scaling(self) -> rope.Llama3Scaling | None:
+    if self.rope_scaling_factor == 1:
+      return None
+    return rope.Llama3Scaling(self.rope_scaling_factor, self.rope_low_freq_factor,
+                              self.rope_high_freq_factor, self.rope_original_max_positions)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
@@ -76,17 +89,6 @@ def attention_implementation(requested: str, compute_dtype: str, head_dim: int,
   return "cudnn" if flash else "xla"
 
 
-def rotary(x_BxLxNxH: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (rotate-half form) at absolute positions."""
-  half = x_BxLxNxH.shape[-1] // 2
-  freq_H = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_BxLx1xH = (positions_BxL[..., None].astype(jnp.float32) * freq_H)[:, :, None, :]
-  sin, cos = jnp.sin(angle_BxLx1xH), jnp.cos(angle_BxLx1xH)
-  x1, x2 = jnp.split(x_BxLxNxH.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxLxNxH.dtype)
-
-
 class Attention(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
@@ -120,9 +122,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
     cfg, dtype = self.cfg, x_BxLxD.dtype
     q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.project_qkv(x_BxLxD)
-    q_BxLxNxH = r.constrain(rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta),
+    q_BxLxNxH = r.constrain(rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
                             (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
-    k_BxLxKxH = r.constrain(rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta),
+    k_BxLxKxH = r.constrain(rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
                             (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     v_BxLxKxH = r.constrain(v_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     mesh = jax.sharding.get_abstract_mesh()

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from meshtrain.checkpoint import Checkpoints
 from meshtrain.errors import ConfigError
+from meshtrain.hf import importer
 from meshtrain.train.setup import Setup
 from meshtrain.train.state import TrainState
 
@@ -28,7 +29,8 @@ def _restore_source(path: str) -> tuple[Checkpoints, int]:
 
 def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
   """The state to start from: the workdir's newest checkpoint, else the one
-  `config.checkpoint.restore_from` names, else a fresh init. Everything is read
+  `config.checkpoint.restore_from` names, else `config.init_from`'s weights or a
+  fresh init. Everything is read
   and checked before anything is written. Returns the state, the workdir's
   checkpoints and where the state came from."""
   own = source = step = None
@@ -38,6 +40,8 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
       source, step = own, own.latest_step()
     if step is None and cfg.checkpoint.restore_from:
       source, step = _restore_source(cfg.checkpoint.restore_from)
+    if step is None and cfg.init_from:
+      return importer.init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
     if step is None:
       return setup.init_state(), own or _own(cfg), "initialized"
     state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)

@@ -1,0 +1,125 @@
+"""`meshtrain export-hf`: a run's weights as a Hugging Face Llama directory.
+
+Writes `config.json`, the weights as safetensors (one `model.safetensors`, or
+shards of at most `max_shard_bytes` with `model.safetensors.index.json`, as
+`save_pretrained` does) and the run's tokenizer files, so that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it. Weights are
+gathered one meshtrain tensor at a time and written one shard at a time.
+"""
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from meshtrain.data import tokenizer as tokenizers
+from meshtrain.errors import ConfigError
+from meshtrain.hf import config as hf_config
+from meshtrain.hf.importer import HF_CONFIG_FILE, TOKENIZER_FILES
+from meshtrain.hf.load import INDEX_FILE, SINGLE_FILE
+from meshtrain.hf.weights import WEIGHTS
+from meshtrain.models.patterns import path_string
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _hf_tensors(params, num_layers: int, dtype) -> Iterator[tuple[str, np.ndarray]]:
+  """(name, tensor) in Hugging Face layout, one gathered meshtrain weight at a time."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    weight = WEIGHTS[path_string(path)]
+    value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    for name, layer in zip(weight.hf_names(num_layers), value if weight.stacked else [value]):
+      yield name, weight.to_hf(layer).astype(dtype)
+
+
+def _shard_sizes(params, num_layers: int, itemsize: int, max_shard_bytes: int) -> list[int]:
+  """How many tensors each shard holds, filling shards in order up to the limit."""
+  sizes = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    weight = WEIGHTS[path_string(path)]
+    layer_size = leaf.size // (leaf.shape[0] if weight.stacked else 1)
+    sizes += [layer_size * itemsize] * len(weight.hf_names(num_layers))
+  counts, used = [0], 0
+  for size in sizes:
+    if counts[-1] and used + size > max_shard_bytes:
+      counts.append(0)
+      used = 0
+    counts[-1] += 1
+    used += size
+  return counts
+
+
+def check_target(directory) -> None:
+  directory = Path(directory)
+  if (directory / "config.json").exists() or any(directory.glob("*.safetensors")):
+    raise ConfigError("--to", f"{directory} already holds a model; give a new or empty directory")
+
+
+def _tokenizer_files(cfg, directory: Path) -> list[str]:
+  """Writes the run's tokenizer files into `directory`; returns their names."""
+  tokenizer = tokenizers.for_config(cfg)
+  if not isinstance(tokenizer, tokenizers.HuggingFaceTokenizer):
+    return []  # bytes: Hugging Face has no tokenizer file for it
+  tokenizer.save(directory)
+  spec = Path(cfg.tokenizer or cfg.data.path)
+  origin = spec if spec.is_dir() else spec.parent
+  copied = [name for name in TOKENIZER_FILES[1:] if (origin / name).is_file()]
+  for name in copied:
+    shutil.copyfile(origin / name, directory / name)
+  if "tokenizer_config.json" not in copied:
+    token = tokenizer.tokenizer.id_to_token
+    special = {"eos_token": token(tokenizer.eos_id)}
+    if tokenizer.bos_id is not None:
+      special["bos_token"] = token(tokenizer.bos_id)
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2))
+  return [tokenizers.TOKENIZER_FILE, "tokenizer_config.json", *copied]
+
+
+def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
+              max_shard_bytes: int = 5 * 2**30) -> list[str]:
+  """Writes `params` (the run in `workdir` of config `cfg`) to `directory`;
+  `dtype` "" keeps the imported model's dtype (else float32). Returns the files written."""
+  directory = Path(directory)
+  check_target(directory)
+  source_file = Path(workdir) / HF_CONFIG_FILE
+  source = json.loads(source_file.read_text()) if source_file.is_file() else None
+  dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
+  if dtype not in DTYPES:
+    raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+  tokenizers.for_config(cfg)  # an unreadable tokenizer fails here, before anything is written
+  num_layers = cfg.model.num_layers
+  counts = _shard_sizes(params, num_layers, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
+  names = ([SINGLE_FILE] if len(counts) == 1 else
+           [f"model-{i + 1:05d}-of-{len(counts):05d}.safetensors" for i in range(len(counts))])
+  writer = jax.process_index() == 0
+  if writer:
+    directory.mkdir(parents=True, exist_ok=True)
+  tensors, weight_map, total = _hf_tensors(params, num_layers, DTYPES[dtype]), {}, 0
+  for name, count in zip(tqdm(names, desc="export", unit="file", disable=not writer), counts):
+    shard = dict(next(tensors) for _ in range(count))
+    weight_map.update(dict.fromkeys(shard, name))
+    total += sum(t.nbytes for t in shard.values())
+    if writer:
+      safetensors.numpy.save_file(shard, directory / name, metadata={"format": "pt"})
+    del shard
+  if not writer:
+    return names
+  if len(names) > 1:
+    (directory / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    names.append(INDEX_FILE)
+  hf = hf_config.to_hf(cfg.model, dtype, source)
+  tokenizer = tokenizers.for_config(cfg)
+  if source is None:  # a model trained here: what generation needs to know
+    hf.update(max_position_embeddings=cfg.seq_len, eos_token_id=tokenizer.eos_id,
+              bos_token_id=tokenizer.bos_id)
+  (directory / "config.json").write_text(json.dumps(hf, indent=2))
+  return names + ["config.json"] + _tokenizer_files(cfg, directory)

@@ -1,0 +1,143 @@
+"""Hugging Face Llama weights straight into their shards on a mesh.
+
+Each device's block of each weight is read from the safetensors files on its
+own (`safe_open` + `get_slice`: only the rows and columns it covers), converted
+to float32 and put on that device before the next is read, so the host holds
+at most one block beyond what the devices hold, and a process reads only what
+its own devices hold. A file is opened per read: its memory map (resident
+pages count as the process's memory) is let go at once.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from tqdm import tqdm
+
+from meshtrain.errors import ConfigError
+from meshtrain.hf import config as hf_config
+from meshtrain.hf.weights import WEIGHTS, Weight
+from meshtrain.models.patterns import path_string
+
+INDEX_FILE = "model.safetensors.index.json"
+READ_BYTES = 64 * 2**20  # of a tensor's file bytes mapped at once
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+SINGLE_FILE = "model.safetensors"
+
+
+class SafetensorsDir:
+  """The tensors of a Hugging Face model directory: which file holds each."""
+
+  def __init__(self, directory, *, key: str):
+    self.directory, self.key = Path(directory), key
+    index = self.directory / INDEX_FILE
+    if index.is_file():
+      try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+      except (ValueError, KeyError) as error:
+        raise ConfigError(key, f"{index} is not a safetensors index ({error})") from None
+    elif (self.directory / SINGLE_FILE).is_file():
+      weight_map = dict.fromkeys(self._keys(self.directory / SINGLE_FILE), SINGLE_FILE)
+    else:
+      raise ConfigError(key, f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
+    if missing:
+      raise ConfigError(key, f"{self.directory / missing[0]} is missing (named in {INDEX_FILE}); "
+                        "download every shard of the model")
+    self.files = {name: self.directory / file for name, file in weight_map.items()}
+
+  def _keys(self, file: Path) -> list[str]:
+    with safe_open(file, "numpy") as f:
+      return list(f.keys())
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    if name not in self.files:
+      raise ConfigError(self.key, f"{self.directory} has no tensor {name}")
+    with safe_open(self.files[name], "numpy") as f:
+      return tuple(f.get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor[index], read in runs of rows of at most READ_BYTES of the file,
+    each through its own memory map."""
+    with safe_open(self.files[name], "numpy") as f:
+      tensor = f.get_slice(name)
+      shape, dtype = tensor.get_shape(), tensor.get_dtype()
+      if len(shape) == 1:
+        return tensor[index]
+    first, stop, _ = index[0].indices(shape[0])
+    row_bytes = math.prod(shape[1:]) * _ITEMSIZE.get(dtype, 4)
+    step = max(1, READ_BYTES // row_bytes)
+    out = None
+    for start in range(first, stop, step):
+      with safe_open(self.files[name], "numpy") as f:
+        rows = f.get_slice(name)[(slice(start, min(start + step, stop)), *index[1:])]
+      if out is None:
+        out = np.empty((stop - first, *rows.shape[1:]), rows.dtype)
+      out[start - first:start - first + len(rows)] = rows
+    return out
+
+
+def _check_shapes(tensors: SafetensorsDir, abstract_params, num_layers: int) -> None:
+  """Every tensor meshtrain needs is there with the shape config.json implies."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    weight = WEIGHTS[path_string(path)]
+    expected = weight.hf_shape(leaf.shape[1:] if weight.stacked else leaf.shape)
+    for name in weight.hf_names(num_layers):
+      if tensors.shape(name) != expected:
+        raise ConfigError(tensors.key, f"tensor {name} is {list(tensors.shape(name))} in "
+                          f"{tensors.directory} but its config.json implies {list(expected)}")
+
+
+def _block(tensors: SafetensorsDir, weight: Weight, shape, index, dtype) -> np.ndarray:
+  """meshtrain's weight[index] (a device's block) read from the HF tensors."""
+  if not weight.stacked:
+    return weight.read(lambda i: tensors.read(weight.hf_name, i), shape, index).astype(dtype)
+  first, stop, _ = index[0].indices(shape[0])
+  block = None
+  for layer in range(first, stop):
+    name = weight.hf_name.format(layer=layer)
+    one = weight.read(lambda i: tensors.read(name, i), shape[1:], index[1:])
+    if block is None:
+      block = np.empty((stop - first, *one.shape), dtype)
+    block[layer - first] = one
+  return block
+
+
+def _place(tensors: SafetensorsDir, weight: Weight, abstract, sharding) -> jax.Array:
+  """One weight on the mesh, block by block; devices holding the same block share one read."""
+  by_index: dict[tuple, list] = {}
+  for device, index in sharding.addressable_devices_indices_map(abstract.shape).items():
+    by_index.setdefault(tuple((s.start, s.stop) for s in index), []).append((device, index))
+  arrays = []
+  for devices in by_index.values():
+    block = _block(tensors, weight, abstract.shape, devices[0][1], abstract.dtype)
+    arrays += [jax.device_put(block, device) for device, _ in devices]
+    del block
+  return jax.make_array_from_single_device_arrays(abstract.shape, sharding, arrays)
+
+
+def load_params(directory, abstract_params, shardings, *, key: str):
+  """The weights of the Hugging Face Llama in `directory` as meshtrain's
+  parameters (`abstract_params` tree), laid out by `shardings`."""
+  tensors = SafetensorsDir(directory, key=key)
+  num_layers = jax.tree.leaves(abstract_params["layers"])[0].shape[0]
+  _check_shapes(tensors, abstract_params, num_layers)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  flat_shardings = jax.tree.leaves(shardings)
+  placed = [_place(tensors, WEIGHTS[path_string(path)], leaf, sharding)
+            for (path, leaf), sharding in tqdm(list(zip(leaves, flat_shardings)), desc="import",
+                                               unit="tensor", disable=jax.process_index() != 0)]
+  return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def check_model(directory, model_cfg, *, key: str) -> dict:
+  """DIR's config.json, checked against `config.model` (which must describe the same model)."""
+  hf = hf_config.read(directory, key=key)
+  for name, value in hf_config.model_keys(hf).items():
+    if model_cfg[name] != value:
+      raise ConfigError(f"config.model.{name}", f"is {model_cfg[name]!r} but the model in "
+                        f"{directory} has {value!r}; set it to {value!r}")
+  return hf

@@ -1,0 +1,110 @@
+"""KV-cache generation: the same tokens as recomputing the whole prefix for every
+new token, on one device and under tensor parallelism; the same greedy tokens as
+transformers' `generate`; sampling draws from the distribution it claims."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from conftest import micro_config
+from meshtrain import generate
+from meshtrain.hf import config as hf_config
+from meshtrain.hf.importer import import_hf
+from meshtrain.hf.load import load_params
+from meshtrain.train.setup import build
+from test_hf import CASES, save_hf_llama
+
+PROMPTS = [[5, 9, 2, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 11, 0]]  # lengths differ
+GREEDY = generate.Sampling(temperature=0.0)
+
+
+def recomputed_greedy(graphdef, params, prompts, new_tokens):
+  """Greedy decoding without a cache: the whole sequence through `Llama.__call__`
+  for every new token, one prompt at a time, on one device."""
+  params = jax.device_put(jax.device_get(params), jax.devices()[0])
+  longest = max(map(len, prompts)) + new_tokens
+  logits_fn = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+  outputs = []
+  for prompt in prompts:
+    sequence = list(prompt)
+    for _ in range(new_tokens):  # causal: padding on the right changes nothing before it
+      window = np.array([sequence + [0] * (longest - len(sequence))], np.int32)
+      sequence.append(int(np.argmax(logits_fn(params, window)[0, len(sequence) - 1])))
+    outputs.append(sequence[len(prompt):])
+  return outputs
+
+
+@pytest.mark.parametrize("mesh", [dict(data=1), dict(data=4, tensor=2)],
+                         ids=["one_device", "data4_tensor2"])
+def test_cached_greedy_equals_recomputing_the_prefix(mesh):
+  cfg = micro_config(**{f"mesh.{axis}": size for axis, size in mesh.items()})
+  setup = build(cfg, jax.devices()[:1] if mesh == dict(data=1) else jax.devices())
+  params = setup.init_state().params
+  generator = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules)
+  got = generator(PROMPTS, 10, GREEDY)
+  assert got == recomputed_greedy(setup.spec.graphdef, params, PROMPTS, 10)
+  assert len({tuple(tokens) for tokens in got}) == 3  # not a degenerate model
+
+
+def test_greedy_equals_transformers_generate_on_an_imported_model(tmp_path):
+  model = save_hf_llama(tmp_path, **CASES["tied_llama3_rope"])
+  cfg = micro_config(**{"mesh.data": 4, "mesh.tensor": 2})
+  cfg.model.update(hf_config.model_keys(hf_config.read(tmp_path, key="--from")))
+  setup = build(cfg)
+  params = load_params(tmp_path, setup.spec.abstract_params, setup.shardings.params, key="--from")
+  eos = model.generation_config.eos_token_id
+  got = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id=eos)(
+      PROMPTS, 12, GREEDY)
+  for prompt, tokens in zip(PROMPTS, got):
+    with torch.no_grad():
+      expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    assert tokens == (expected[:expected.index(eos) + 1] if eos in expected else expected)
+
+
+def test_sampling_draws_from_the_cut_distribution():
+  probs = np.array([0.5, 0.3, 0.15, 0.05])
+  logits_BxV = np.log(probs)[None].repeat(20_000, 0)
+
+  def frequencies(sampling):
+    draws = np.asarray(generate.sample(logits_BxV, jax.random.key(0), sampling))
+    return np.bincount(draws, minlength=4) / len(draws)
+  np.testing.assert_allclose(frequencies(generate.Sampling()), probs, atol=0.01)
+  np.testing.assert_allclose(frequencies(generate.Sampling(top_k=2)), [0.625, 0.375, 0, 0],
+                             atol=0.01)
+  # top_p 0.7: 0.5 then 0.3 reach it; the rest is cut
+  np.testing.assert_allclose(frequencies(generate.Sampling(top_p=0.7)), [0.625, 0.375, 0, 0],
+                             atol=0.01)
+  tempered = probs ** 2 / (probs ** 2).sum()  # temperature 0.5 squares the probabilities
+  np.testing.assert_allclose(frequencies(generate.Sampling(temperature=0.5)), tempered, atol=0.01)
+  assert (frequencies(generate.Sampling(temperature=0.0)) == [1, 0, 0, 0]).all()
+
+
+def meshtrain_generate(*args, cwd):
+  return subprocess.run([sys.executable, "-m", "meshtrain.cli", "generate", *args],
+                        capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_generate_command_prints_json_per_prompt_and_refuses_a_missing_workdir(tmp_path):
+  save_hf_llama(tmp_path / "hf", **CASES["untied_gqa"])
+  import_hf(micro_config(), tmp_path / "hf", tmp_path / "run")
+  (tmp_path / "prompts.txt").write_text("w1 w2 w3\nw40 w41\n")
+  result = meshtrain_generate("--workdir=run", "--prompts=prompts.txt", "--max_tokens=6",
+                              "--temperature=0", "--json", "--config.mesh.tensor=2", cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  lines = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [line["prompt_tokens"] for line in lines] == [[0, 3, 4, 5], [0, 42, 43]]  # <s> first
+  for line in lines:
+    assert 1 <= len(line["tokens"]) <= 6
+    assert line["text"] == " ".join(f"w{t - 2}" for t in line["tokens"] if t > 1)
+  missing = meshtrain_generate("--workdir=nowhere", "--prompt=w1", cwd=tmp_path)
+  assert missing.returncode == 2
+  assert missing.stderr.strip().splitlines() == [
+      "error: --workdir: nowhere has no config.json; give a workdir that `meshtrain train` or "
+      "`meshtrain import-hf` wrote"]
