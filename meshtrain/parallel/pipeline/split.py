@@ -67,7 +67,7 @@ def _inline(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
 
   avals = [v.aval for v in closed.jaxpr.invars]
   return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(
-      *[_struct(a) for a in avals])
+      *avals)
 
 
 def _depends_on(jaxpr: core.Jaxpr, sources: Sequence[bool]) -> list[bool]:
@@ -80,8 +80,9 @@ def _depends_on(jaxpr: core.Jaxpr, sources: Sequence[bool]) -> list[bool]:
 
 
 def _sub_jaxpr(jaxpr: core.Jaxpr, invars, outvars, eqns) -> core.Jaxpr:
+  debug_info = jaxpr.debug_info._replace(arg_names=None, result_paths=None)
   return core.Jaxpr(jaxpr.constvars, list(invars), list(outvars), list(eqns),
-                    jaxpr.effects)
+                    jaxpr.effects, debug_info)
 
 
 def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
@@ -116,7 +117,7 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   residual_avals = [v.aval for v in fwd_jaxpr.outvars[1:]]
   bwd = _inline(jax.make_jaxpr(
       lambda res, dy: jax.tree.leaves(jax.tree.unflatten(structure["vjp"], res)(dy)))(
-          [_struct(a) for a in residual_avals], _struct(y_aval)))
+          residual_avals, y_aval))
   bwd_jaxpr = bwd.jaxpr
   *residual_vars, dy_var = bwd_jaxpr.invars
   # Outputs are [dparams..., dx]: B keeps what dx needs; W runs the rest of
@@ -135,12 +136,14 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
       bwd.consts))
   w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
       _sub_jaxpr(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
-  x_struct = _struct(x)
+  x_aval = fwd_jaxpr.invars[n_params].aval
 
   def residuals(params, aux, stash):
     """The vjp's residuals: stashed ones and ones recomputed from params, aux."""
     # x is an input the recomputation never reads (dce keeps it in place).
-    x_unused = jax.numpy.zeros(x_struct.shape, x_struct.dtype)
+    x_unused = jax.numpy.zeros(x_aval.shape, x_aval.dtype)
+    if getattr(x_aval, "vma", None):
+      x_unused = jax.lax.pcast(x_unused, tuple(x_aval.vma), to="varying")
     args = [*jax.tree.leaves(params), x_unused, *jax.tree.leaves(aux)]
     recomputed = iter(recompute(*(a for a, u in zip(args, recompute_inputs) if u)))
     stash = iter(stash)
