@@ -39,8 +39,8 @@ _STAGES = flags.DEFINE_integer("stages", 4, "schedule: pipeline stages")
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "schedule: microbatches per step")
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "schedule: which one")
 _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage (interleaved)")
-_BACKWARD_COST = flags.DEFINE_float("backward_cost", 2.0,
-                                    "schedule: cost of a backward, a forward costing 1")
+_COSTS = flags.DEFINE_string("costs", "1,1,1", "schedule: cost of F, B (input gradient) and "
+                             "W (weight gradient) of one stage, e.g. 1,1,1 or 1,2,0 (Megatron)")
 _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here; prepare: the "
                            "directory to create")
 _INPUT = flags.DEFINE_multi_string("input", [], "prepare: text, JSONL or Parquet files, globs or "
@@ -114,24 +114,36 @@ def plan_command(argv: list[str]) -> None:
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
 
 
+def _costs(text: str) -> tuple[float, float, float]:
+  try:
+    costs = tuple(float(c) for c in text.split(","))
+  except ValueError:
+    costs = ()
+  if len(costs) != 3 or min(costs) < 0 or costs[0] <= 0:
+    raise ConfigError("--costs", f"{text!r} is not three costs F,B,W (F > 0, B and W >= 0), "
+                      "e.g. --costs=1,1,1")
+  return costs
+
+
 def schedule_command(argv: list[str]) -> None:
   del argv
+  costs = _costs(_COSTS.value)
   try:
     table = schedules.build(_SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value)
   except ValueError as error:
     raise ConfigError("--schedule/--stages/--microbatches/--virtual", str(error)) from None
-  summary = schedules.describe(table, 1.0, _BACKWARD_COST.value)
+  summary = schedules.describe(table, costs)
   if _OUT.value:
-    draw.draw_gantt(table, _OUT.value, 1.0, _BACKWARD_COST.value)
+    draw.draw_gantt(table, _OUT.value, costs)
     summary["chart"] = _OUT.value
   if _JSON.value:
     print(json.dumps(summary, indent=2))
     return
   print(schedules.to_text(table))
-  print(f"\nbubble fraction {summary['bubble_fraction']:.4f} "
-        f"(ideal {summary['ideal_bubble_fraction']:.4f}, backward costs {_BACKWARD_COST.value}x "
-        f"a forward); stash slots per stage {summary['stash_slots']}; "
-        f"peak in-flight microbatches per stage {summary['peak_in_flight']}")
+  print(f"\nbubble fraction {summary['bubble_fraction']:.4f} with F,B,W costs {_COSTS.value} "
+        f"(paper's formula {summary['paper_bubble_fraction']:.4f}, textbook (P-1)/(VM+P-1) "
+        f"{summary['ideal_bubble_fraction']:.4f}); in flight per stage (awaiting B) "
+        f"{summary['peak_in_flight']}, awaiting W {summary['peak_awaiting_w']}")
   if _OUT.value:
     print(f"chart: {_OUT.value}")
 

@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.attention.implementation = ""  # "" (cudnn on NVIDIA GPUs in bf16, else xla) | xla | cudnn (flash)
 
   c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b
+  c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_h2
   c.pipeline.microbatches = 4       # per step; divides global_batch / (data * fsdp)
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
 

@@ -59,6 +59,6 @@ def test_schedule_prints_json_and_draws(tmp_path):
       capture_output=True, text=True, timeout=120, cwd=tmp_path)
   assert result.returncode == 0, result.stderr
   summary = json.loads(result.stdout)
-  assert summary["bubble_fraction"] == pytest.approx(3 / 11)  # (p-1)/(m+p-1), B costs 2F
-  assert summary["stash_slots"] == [7, 5, 3, 1]
+  assert summary["bubble_fraction"] == pytest.approx(6 / 30)  # F, B, W one tick each
+  assert summary["peak_in_flight"] == [4, 3, 2, 1]  # Megatron's p - s
   assert (tmp_path / "1f1b.png").stat().st_size > 10_000

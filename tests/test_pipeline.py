@@ -4,13 +4,15 @@ training is in test_train_equivalence.py, the executor alone in
 test_pipeline_runtime.py, the schedule tables in test_schedule.py."""
 
 import collections
+import functools
 
 import pytest
 
 from conftest import micro_config
-from meshtrain.analysis import hlo
+from meshtrain.analysis import compiled_flops, hlo
 from meshtrain.analysis.plan import compile_step
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import runtime, schedule as schedules
 from meshtrain.train.setup import build
 
 
@@ -29,12 +31,22 @@ def pipeline_config(microbatches=4, schedule="1f1b", **changes):
           pipeline=dict(virtual_stages=2), model=dict(num_layers=8), microbatches=2),
      "config.pipeline.microbatches"),
     (dict(global_batch=12), "config.pipeline.microbatches"),
-    (dict(grad_accum_steps=2), "config.grad_accum_steps"),
+    (dict(grad_accum_steps=4), "config.pipeline.microbatches"),  # 4 x 4 > 8 rows per replica
+    (dict(pipeline=dict(virtual_stages=2), model=dict(num_layers=4)),
+     "config.pipeline.virtual_stages"),  # 1f1b runs one chunk per stage
 ])
 def test_impossible_pipelines_name_the_key(changes, key):
   with pytest.raises(ConfigError) as error:
     build(pipeline_config(**changes))
   assert error.value.key == key
+
+
+def test_interleaved_with_too_few_microbatches_names_the_config_keys():
+  cfg = pipeline_config(6, "interleaved_1f1b", mesh=dict(data=2, pipeline=4),
+                        pipeline=dict(virtual_stages=2), model=dict(num_layers=8))
+  with pytest.raises(ConfigError, match=r"config\.pipeline\.microbatches to be a multiple of "
+                     r"config\.mesh\.pipeline=4.*use 8 or config\.pipeline\.virtual_stages=1"):
+    build(cfg)
 
 
 def test_stages_exchange_activations_by_permutes_and_reduce_data_once():
@@ -59,3 +71,29 @@ def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_grows():
   assert one_f_one_b[32] <= 1.10 * one_f_one_b[4], one_f_one_b
   # GPipe keeps every microbatch's activations: 28 more cost far more than 1F1B's stash.
   assert gpipe[32] - gpipe[4] > 10 * (one_f_one_b[32] - one_f_one_b[4]), (gpipe, one_f_one_b)
+
+
+@functools.cache
+def plain_step_flops(num_layers, remat):
+  """The unpipelined step of the same model and global batch, on data=8."""
+  cfg = micro_config()
+  cfg.update(dict(mesh=dict(data=8), model=dict(num_layers=num_layers), remat=remat,
+                  global_batch=4 * 2 * 2))
+  return compiled_flops.dot_flops(compile_step(build(cfg)))
+
+
+@pytest.mark.parametrize("schedule, remat", [("gpipe", "none"), ("1f1b", "none"),
+                                             ("interleaved_1f1b", "none"), ("1f1b", "full")])
+def test_pipelined_step_does_the_unpipelined_matmul_flops(schedule, remat):
+  """Read from the compiled steps (loops times their trips, the tick switch
+  weighted by how often the table runs each branch): B consumes F's stashed
+  residuals and W uses B's cut, so nothing is recomputed beyond what `remat`
+  asks of the unpipelined step too. Both run on 8 devices."""
+  virtual = 2 if schedule == "interleaved_1f1b" else 1
+  layers = 2 * virtual
+  setup = build(pipeline_config(2, schedule, remat=remat, model=dict(num_layers=layers),
+                                pipeline=dict(virtual_stages=virtual)))
+  table = schedules.build(schedule, 2, 2, virtual)
+  weights = {len(runtime.BRANCHES): runtime.branch_weights(table)}
+  ratio = compiled_flops.dot_flops(compile_step(setup), weights) / plain_step_flops(layers, remat)
+  assert 0.97 <= ratio <= 1.03, ratio

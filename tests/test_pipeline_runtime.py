@@ -15,7 +15,7 @@ from conftest import micro_config
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.mesh import AXES, make_mesh
-from meshtrain.models.llama import Llama, positions, run_layers
+from meshtrain.models.llama import Llama, positions
 from meshtrain.parallel.pipeline import runtime
 from meshtrain.parallel.pipeline import schedule as sched
 from meshtrain.train.loss import cross_entropy
@@ -36,13 +36,13 @@ def llama(num_layers: int):
   def embed_fn(p, tokens_BxL):
     return nnx.merge(embed_def, p)(tokens_BxL)
 
-  def chunk_fn(p, x_BxLxD):
-    return run_layers(nnx.merge(layers_def, p), x_BxLxD, positions(x_BxLxD), "none")
+  def layer_fn(p, x_BxLxD, aux):
+    return nnx.merge(layers_def, p)(x_BxLxD, positions(x_BxLxD))
 
-  def loss_fn(p, x_BxLxD, targets_BxL):
-    return cross_entropy(nnx.merge(head_def, p)(x_BxLxD), targets_BxL)
+  def loss_fn(p, x_BxLxD, aux):
+    return cross_entropy(nnx.merge(head_def, p)(x_BxLxD), aux["targets"])
 
-  fns = dict(embed_fn=embed_fn, chunk_fn=chunk_fn, loss_fn=loss_fn)
+  fns = dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn)
   return fns, state.to_pure_dict(), r.logical_names(state), graphdef
 
 
@@ -73,7 +73,7 @@ def mesh_of(**sizes):
 def executor(schedule, mesh, num_layers, batch_axes=()):
   fns = llama(num_layers)[0]
   return jax.jit(lambda p, i, t: runtime.pipeline_loss_and_grads(
-      schedule, mesh, **fns, params=p, inputs_MxBxL=i, targets_MxBxL=t,
+      schedule, mesh, **fns, params=p, microbatches={"inputs": i, "targets": t},
       batch_axes=batch_axes))
 
 
@@ -101,7 +101,8 @@ def assert_matches(got, want):
   jax.tree_util.tree_map_with_path(close, jax.device_get(grads), jax.device_get(want_grads))
 
 
-@pytest.mark.parametrize("name,num_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("name,num_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
+                                             ("zb_h1", 1), ("zb_h2", 1)])
 def test_schedules_match_plain_gradients(name, num_chunks):
   """Pipeline 4 x data 2, `data` left automatic: GSPMD composes with the
   executor (and reduces the gradients over `data` inside the ticks)."""
@@ -124,8 +125,8 @@ def test_pipeline_by_tensor_and_fsdp():
 
 
 def test_one_f_one_b_memory_is_flat_in_microbatches():
-  """Same microbatch, 4x the microbatches: the 1F1B stash stays at 2P - 1 =
-  3 inputs (P = 2), GPipe's holds all M."""
+  """Same microbatch, 4x the microbatches: the 1F1B stash stays at P - s
+  microbatches' residuals (P = 2), GPipe's holds all M."""
   mesh, params = mesh_of(pipeline=2), llama(2)[1]
   temp = {}
   for name in ("gpipe", "1f1b"):

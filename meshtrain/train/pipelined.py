@@ -7,53 +7,115 @@ stage 0 starts at once; the head's matmul and the loss are the largest
 activations ([batch, length, vocab] logits), and on the last stage they never
 cross a stage boundary. Both are replicated over `pipeline` (every stage holds
 them, only one computes); their gradients are summed over `pipeline` once per
-step. Tied embeddings would need the table on both ends and are refused.
+step. Tied embeddings: the head's part of the executor's params holds the
+same table, and its gradient (from the last stage) is added to the lookup's
+(from stage 0).
 """
 
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.models.llama import positions, run_layers
+from meshtrain.models.llama import REMAT_POLICIES, positions as default_positions, zigzag_layout
+from meshtrain.parallel import sequence
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec
 
 GradsFn = Callable[[dict, dict], tuple[jax.Array, dict]]
+LossFn = Callable[[dict, dict], jax.Array]
 
 
-def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
-                             remat: str) -> GradsFn:
-  """(params, batch) -> (mean loss, float32 grads), `batch` split into
-  `pipeline_cfg.microbatches` microbatches along the batch."""
+def _pieces(spec: ModelSpec, remat: str) -> dict:
+  """The Llama as the executor's embed_fn, layer_fn and loss_fn. One layer
+  runs under the `remat` policy, which decides the residuals F stashes. The
+  head's params are {"head": ..., "tied": the embedding's, or {}}."""
   model = nnx.merge(spec.graphdef, spec.abstract_params)
+  tied = model.cfg.tie_embeddings
   embed_def, layers_def, head_def = (nnx.graphdef(m) for m in (model.embed, model.layers, model.head))
-  schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
-                             pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
+
+  def embed_fn(p, tokens_BxL):
+    return nnx.merge(embed_def, p)(tokens_BxL)
+
+  def layer_fn(p, x_BxLxD, aux):
+    positions_BxL = aux["positions"] if "positions" in aux else default_positions(x_BxLxD)
+    # Packed documents: the block keeps attention inside each segment.
+    segments = {"segment_ids": aux["segment_ids"]} if "segment_ids" in aux else {}
+    block = lambda p, x: nnx.merge(layers_def, p)(x, positions_BxL, **segments)
+    if remat != "none":
+      block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
+    return block(p, x_BxLxD)
+
+  def loss_fn(p, x_BxLxD, aux):
+    table_VxD = nnx.merge(embed_def, p["tied"]).table() if tied else None
+    return cross_entropy(nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD), aux["targets"])
+
+  return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
+
+
+def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
+  """(params, batch) -> (loss, grads or None) of one pipelined batch."""
+  pieces, tied = _pieces(spec, remat)
   # `data` splits only the batch: taken manual, each device sums its own
   # gradients and they are all-reduced once, after the last tick.
   batch_axes = ("data",) if mesh.shape["data"] > 1 else ()
   inner_rules = r.without_axis(rules.params, "data")
 
-  def embed_fn(p, tokens_BxL):
-    return nnx.merge(embed_def, p)(tokens_BxL)
+  zigzag = zigzag_layout(nnx.merge(spec.graphdef, spec.abstract_params).cfg, mesh)
 
-  def chunk_fn(p, x_BxLxD):
-    return run_layers(nnx.merge(layers_def, p), x_BxLxD, positions(x_BxLxD), remat)
-
-  def loss_fn(p, x_BxLxD, targets_BxL):
-    return cross_entropy(nnx.merge(head_def, p)(x_BxLxD), targets_BxL)
-
-  def value_and_grad(params, batch):
+  def run(params, batch):
+    if zigzag:  # ring attention's token order, as in Llama.__call__; the mean loss is the same
+      batch = {"positions": default_positions(batch["inputs"]), **batch}
+      batch = {key: sequence.to_zigzag(x, mesh) for key, x in batch.items()}
     microbatches = split_microbatches(batch, pipeline_cfg.microbatches)
+    head = {"head": params["head"], "tied": params["embed"] if tied else {}}
     with nnx.logical_axis_rules(inner_rules):
-      return runtime.pipeline_loss_and_grads(
-          schedule, mesh, embed_fn=embed_fn, chunk_fn=chunk_fn, loss_fn=loss_fn, params=params,
-          inputs_MxBxL=microbatches["inputs"], targets_MxBxL=microbatches["targets"],
+      loss, grads = runtime.pipeline_loss_and_grads(
+          schedule, mesh, **pieces, params={**params, "head": head}, microbatches=microbatches,
           batch_axes=batch_axes)
+    if grads is None:
+      return loss, None
+    embed_g = grads["embed"]
+    if tied:  # one weight, two uses: the lookup's gradient plus the head's
+      embed_g = jax.tree.map(jnp.add, embed_g, grads["head"]["tied"])
+    return loss, {"embed": embed_g, "layers": grads["layers"], "head": grads["head"]["head"]}
+  return run
 
-  return value_and_grad
+
+def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
+                             remat: str, grad_accum_steps: int = 1) -> GradsFn:
+  """(params, batch) -> (mean loss, float32 grads), `batch` split into
+  `grad_accum_steps` parts run one after another (a larger batch at the
+  memory of one), each through the pipeline in `pipeline_cfg.microbatches`
+  microbatches."""
+  schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
+                             pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
+  run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule)
+  if grad_accum_steps == 1:
+    return run
+
+  def accumulated(params, batch):
+    def body(total, part):
+      return jax.tree.map(jnp.add, total, run(params, part)), None
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                    split_microbatches(batch, grad_accum_steps))
+    return jax.tree.map(lambda x: x / grad_accum_steps, (loss, grads))
+  return accumulated
+
+
+def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules) -> LossFn:
+  """(params, batch) -> mean loss, forward only (evaluation on a pipeline
+  mesh): GPipe's forward wave, nothing stashed for a backward. `batch` holds
+  `inputs`, `targets` and optionally `segment_ids`, `positions` ([B, L]),
+  split into `pipeline_cfg.microbatches` microbatches; call it traced under
+  the mesh and `rules.params` like the train step."""
+  schedule = schedules.forward_only(mesh.shape["pipeline"], pipeline_cfg.microbatches,
+                                    pipeline_cfg.virtual_stages)
+  run = _executor(spec, pipeline_cfg, mesh, rules, "none", schedule)
+  return lambda params, batch: run(params, batch)[0]

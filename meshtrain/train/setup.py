@@ -104,21 +104,21 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
     raise ConfigError("config.model.num_layers",
                       f"{cfg.model.num_layers} layers do not split into config.mesh.pipeline={p} "
                       f"stages x config.pipeline.virtual_stages={v} chunks")
-  if (cfg.global_batch // replicas) % m:
+  rows = cfg.global_batch // replicas
+  if rows % (m * cfg.grad_accum_steps):
     raise ConfigError("config.pipeline.microbatches",
-                      f"{m} must divide the {cfg.global_batch // replicas} sequences each of the "
-                      f"data x fsdp = {replicas} replicas gets")
-  for key, bad, fix in (
-      ("config.grad_accum_steps", cfg.grad_accum_steps != 1,
-       "set it to 1: pipeline microbatches accumulate the gradients"),
-      ("config.model.tie_embeddings", cfg.model.tie_embeddings,
-       "tied embeddings are not pipelined yet; set it to False"),
-      ("config.mesh.sequence", mesh.shape["sequence"] > 1,
-       "the sequence axis does not compose with pipeline yet; set it to 1"),
-      ("config.zero_stage", cfg.zero_stage > 1,
-       "pipeline keeps its gradient sums per stage; use zero_stage 0 or 1 (or the fsdp axis)")):
-    if bad:
-      raise ConfigError(key, fix)
+                      f"{m} microbatches x config.grad_accum_steps={cfg.grad_accum_steps} must "
+                      f"divide the {rows} sequences each of the data x fsdp = {replicas} "
+                      f"replicas gets")
+  if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
+    raise ConfigError("config.pipeline.virtual_stages",
+                      f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "
+                      f"or config.pipeline.schedule=interleaved_1f1b")
+  if cfg.pipeline.schedule == "interleaved_1f1b" and v > 1 and m % p:
+    raise ConfigError("config.pipeline.microbatches",
+                      f"interleaved_1f1b needs config.pipeline.microbatches to be a multiple of "
+                      f"config.mesh.pipeline={p} (a group of {p} fills the ring), got {m}: use "
+                      f"{p * max(1, round(m / p))} or config.pipeline.virtual_stages=1")
   try:
     schedules.build(cfg.pipeline.schedule, p, m, v)
   except ValueError as error:
@@ -143,7 +143,8 @@ def build(cfg, devices=None) -> Setup:
     logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
     return cross_entropy(logits, batch["targets"])
 
-  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat)
+  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
+                                       cfg.grad_accum_steps)
               if mesh.shape["pipeline"] > 1 else None)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,

@@ -9,23 +9,27 @@ automatic and GSPMD partitions the per-stage work as it would outside.
 Inside, one `lax.scan` over the schedule's ticks. Each tick a stage
   1. writes the activation and gradient that arrived (sent last tick) into
      the slots `act_recv_slot` and `grad_recv_slot` name;
-  2. runs `lax.switch` on idle / F / B / F+B read from its row of the tables;
+  2. runs one op, `lax.switch` on idle / F / B / W (first- and last-chunk
+     variants: the embedding, the head and loss), read from its row;
   3. sends its F output right and its input gradient left on the ring, every
      tick and outside the switch (idle stages send zeros), so every stage
      runs the same collectives.
-B is an explicit `jax.vjp` of `chunk_fn` on the stashed chunk input (the
-forward is recomputed), so no residual outlives its tick: memory is the
-schedule's stash, `num_act_slots` activations, whatever M is. Gradients of
-the weights add up in the scan carry.
+Each layer's backward is split into B and W (`split.split_vjp`): F keeps the
+layer's vjp residuals (as the layer's `jax.checkpoint` policy decides) in the
+`res` stash, B computes the input gradient and leaves what W needs in the
+`cut` stash, W adds the weight gradients into the scan carry and frees both.
+Nothing runs twice: the step does the FLOPs of the unpipelined step.
+Buffers are read before and written after the switch, so XLA updates them in
+place (passed through a conditional, they were copied once more).
 
 Model contract (any model, not only Llama):
-  embed_fn(embed_params, tokens_BxL) -> x_BxLxD
-  chunk_fn(chunk_layer_params, x_BxLxD) -> x_BxLxD: Lc stacked layers, e.g.
-    a `lax.scan` over their leading axis
-  loss_fn(head_params, x_BxLxD, targets_BxL) -> scalar mean loss
-Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn` after
-the last chunk and seeds the backward with d(loss / M). The forward of the
-last chunk computes nothing: its B recomputes it together with the loss.
+  embed_fn(embed_params, inputs_BxL) -> x_BxLxD
+  layer_fn(layer_params, x_BxLxD, aux) -> x_BxLxD: one layer; a chunk is Lc
+    layers stacked on a leading axis, scanned by the executor
+  loss_fn(head_params, x_BxLxD, aux) -> scalar mean loss
+`aux` is the microbatch's other [B, L] arrays (targets, positions, segment
+ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
+after the last chunk and seeds the backward with d(loss / M).
 
 An XLA SPMD partitioner abort to steer around (jax 0.10.2, Shardy and GSPMD
 alike; a plain `jax.jit` of the same op compiles): a gather inside this
@@ -45,14 +49,37 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.schedule import Schedule
+from meshtrain.parallel.pipeline.split import split_vjp
 
 AXIS = "pipeline"
-_TABLES = ("fwd_mb", "fwd_chunk", "bwd_mb", "bwd_chunk", "fwd_slot", "bwd_slot",
-           "act_recv_slot", "grad_recv_slot", "bwd_grad_slot")
+# The switch's branches, one per (op, first/last chunk) the executor tells apart.
+BRANCHES = ("idle", "F", "F first", "F last", "B", "B first", "B last", "W", "W last")
+
+
+def branch_table(schedule: Schedule) -> np.ndarray:
+  """[ticks, stages] index into BRANCHES."""
+  stage = np.arange(schedule.num_stages)[None, :]
+  first = (stage == 0) & (schedule.chunk == 0)
+  last = (stage == schedule.num_stages - 1) & (schedule.chunk == schedule.num_chunks - 1)
+  op = schedule.op
+  return np.select(
+      [op == schedules.IDLE, (op == schedules.F) & first, (op == schedules.F) & last,
+       op == schedules.F, (op == schedules.B) & first, (op == schedules.B) & last,
+       op == schedules.B, (op == schedules.W) & last, op == schedules.W],
+      [0, 2, 3, 1, 5, 6, 4, 8, 7]).astype(np.int32)
+
+
+def branch_weights(schedule: Schedule) -> list[float]:
+  """Per branch, the share of ticks a device runs it, averaged over stages:
+  the weights `analysis.compiled_flops.dot_flops` needs for the tick switch."""
+  counts = np.bincount(branch_table(schedule).ravel(), minlength=len(BRANCHES))
+  return [float(c) / schedule.op.size for c in counts]
 
 
 def to_stages(layers: Any, num_stages: int, num_chunks: int) -> Any:
@@ -87,11 +114,18 @@ def _take(tree: Any, i: jax.Array) -> Any:
   return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
 
 
-def _put(buffer_SxN: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
-  """Writes x into `slot`; slot -1 (nothing to keep) writes nothing."""
+def _read(buffers: Any, slot: jax.Array) -> Any:
+  return _take(buffers, jnp.maximum(slot, 0))
+
+
+def _put(buffers: Any, slot: jax.Array, value: Any) -> Any:
+  """Writes `value` into `slot` of each buffer; slot -1 writes nothing."""
   i = jnp.maximum(slot, 0)
-  kept = lax.dynamic_index_in_dim(buffer_SxN, i, 0, keepdims=False)
-  return lax.dynamic_update_index_in_dim(buffer_SxN, jnp.where(slot >= 0, x, kept), i, 0)
+
+  def put(buffer, x):
+    kept = lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, x, kept), i, 0)
+  return jax.tree.map(put, buffers, value)
 
 
 def _add_at(tree: Any, i: jax.Array, update: Any) -> Any:
@@ -105,35 +139,45 @@ def _add(acc: Any, update: Any) -> Any:
   return jax.tree.map(lambda a, u: a + u.astype(a.dtype), acc, update)
 
 
-def _zeros_f32(tree: Any) -> Any:
-  """Gradient accumulators: float32 whatever the weights' dtype, so M
-  microbatches of bfloat16 gradients add up without rounding."""
-  return jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32), tree)
+def _zeros(structs: Any, lead: tuple[int, ...] = (), dtype=None) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(lead + tuple(s.shape), dtype or s.dtype), structs)
+
+
+def _check(schedule: Schedule, mesh: Mesh, microbatches: dict[str, jax.Array]) -> None:
+  if mesh.shape[AXIS] != schedule.num_stages:
+    raise ValueError(f"schedule has {schedule.num_stages} stages but the mesh has "
+                     f"pipeline={mesh.shape[AXIS]}")
+  leading = {key: x.shape[0] for key, x in microbatches.items()}
+  if set(leading.values()) != {schedule.num_microbatches}:
+    raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the "
+                     f"microbatch arrays lead with {leading}")
 
 
 def pipeline_loss_and_grads(
     schedule: Schedule, mesh: Mesh, *,
     embed_fn: Callable[[Any, jax.Array], jax.Array],
-    chunk_fn: Callable[[Any, jax.Array], jax.Array],
-    loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
-    params: dict[str, Any], inputs_MxBxL: jax.Array, targets_MxBxL: jax.Array,
-    batch_axes: Sequence[str] = ()) -> tuple[jax.Array, dict[str, Any]]:
+    layer_fn: Callable[[Any, jax.Array, dict], jax.Array],
+    loss_fn: Callable[[Any, jax.Array, dict], jax.Array],
+    params: dict[str, Any], microbatches: dict[str, jax.Array],
+    batch_axes: Sequence[str] = ()) -> tuple[jax.Array, dict[str, Any] | None]:
   """Mean loss over the M microbatches and its gradients, run by `schedule`.
 
   Args:
     schedule: a valid table with P = mesh.shape["pipeline"] stages, M
-      microbatches and V chunks per stage.
+      microbatches and V chunks per stage. A forward-only table
+      (`schedule.forward_only`) gives the loss and None for the gradients.
     mesh: the device mesh.
-    embed_fn, chunk_fn, loss_fn: the model in three pieces (module docstring).
+    embed_fn, layer_fn, loss_fn: the model in three pieces (module docstring).
     params: {"embed": ..., "layers": ..., "head": ...} pytrees. `layers`
       leaves stack P*V*Lc layers on a leading axis; chunk c = v*P + s (on
       stage s) is layers [c*Lc, (c+1)*Lc) (`to_stages`). `embed` and `head`
       are replicated over `pipeline`.
-    inputs_MxBxL, targets_MxBxL: tokens and targets of the M microbatches,
-      replicated over `pipeline`; B may be sharded over the other axes.
+    microbatches: {"inputs": [M, B, L], ...}: every key but "inputs" reaches
+      layer_fn and loss_fn as `aux`; replicated over `pipeline`, B may be
+      sharded over the other axes.
     batch_axes: mesh axes that shard B but no weight (`data`) to take manual
       along with `pipeline`. By default they stay automatic and GSPMD reduces
-      the weight gradients over them inside every B tick, once per
+      the weight gradients over them inside every W tick, once per
       microbatch; taken manual, each device adds up its own gradients and
       they are summed over these axes once, after the last tick. The model
       pieces then see their local batch and must not constrain over these
@@ -145,130 +189,171 @@ def pipeline_loss_and_grads(
     P-1, has a nonzero one): one all-reduce per step instead of a collective
     per tick, and none inside a branch that only some stages take.
   """
+  _check(schedule, mesh, microbatches)
   num_stages, num_chunks = schedule.num_stages, schedule.num_chunks
-  num_mb = schedule.num_microbatches
-  if mesh.shape[AXIS] != num_stages:
-    raise ValueError(f"schedule has {num_stages} stages but the mesh has "
-                     f"pipeline={mesh.shape[AXIS]}")
-  if inputs_MxBxL.shape[0] != num_mb or targets_MxBxL.shape[0] != num_mb:
-    raise ValueError(f"schedule has {num_mb} microbatches but inputs and targets "
-                     f"lead with {inputs_MxBxL.shape[0]} and {targets_MxBxL.shape[0]}")
+  backward = schedule.has_backward
   batch_axes = tuple(batch_axes)
   manual = (AXIS, *batch_axes)
   # Each device's loss is the mean over its 1/replicas of a microbatch.
-  scale = 1 / (num_mb * math.prod(mesh.shape[a] for a in batch_axes))
+  scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in batch_axes))
   batch_spec = PartitionSpec(None, batch_axes or None)
-  tables = {name: getattr(schedule, name) for name in _TABLES}
-  last_stage, last_chunk = num_stages - 1, num_chunks - 1
+  fields = ("op", "mb", "chunk", *schedules._SLOT_FIELDS)
+  tables = {name: getattr(schedule, name) for name in fields}
+  tables["branch"] = branch_table(schedule)
 
-  def run(embed_p, layers_Vx1xLc, head_p, inputs, targets):
+  def run(embed_p, layers_Vx1xLc, head_p, microbatches):
     stage = lax.axis_index(AXIS)
+    inputs = microbatches["inputs"]
+    aux_all = {k: v for k, v in microbatches.items() if k != "inputs"}
     # The vjps differentiate weights typed varying: the transpose of the
-    # implicit invariant->varying cast would be a psum in every B tick.
+    # implicit invariant->varying cast would be a psum in every tick.
     embed_p, head_p = _varying((embed_p, head_p), manual)
     layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), batch_axes)
+    one_layer = jax.tree.map(lambda x: x[0, 0], layers_VxLc)
+    aux0 = _take(aux_all, 0)
     x_struct = jax.eval_shape(embed_fn, embed_p, inputs[0])
     zeros_x = _varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual)
+    if backward:
+      layer = split_vjp(layer_fn, one_layer, zeros_x, aux0)
+      head = split_vjp(lambda p, x, aux: loss_fn(p, x, aux) * scale, head_p, zeros_x, aux0)
+    num_layers = jax.tree.leaves(layers_VxLc)[0].shape[1]
 
-    def is_first(v):
-      return (stage == 0) & (v == 0)
+    def chunk_forward(v, x, aux):
+      def body(x, p):
+        return layer.forward(p, x, aux) if backward else (layer_fn(p, x, aux), [])
+      return lax.scan(body, x, _take(layers_VxLc, v))
 
-    def is_last(v):
-      return (stage == last_stage) & (v == last_chunk)
+    def chunk_backward_input(v, res_Lc, aux, dy):
+      def body(dy, p_res):
+        return layer.backward_input(*p_res[:1], aux, p_res[1], dy)
+      return lax.scan(body, dy, (_take(layers_VxLc, v), res_Lc), reverse=True)
 
-    def forward(op, x):
-      """F of all but the last chunk, whose B recomputes it with the loss."""
-      v = op["fwd_chunk"]
-      return lax.cond(is_last(v), lambda: zeros_x,
-                      lambda: chunk_fn(_take(layers_VxLc, v), x))
+    def chunk_backward_weight(v, res_Lc, cut_Lc, aux):
+      def body(_, p_res_cut):
+        p, res, cut = p_res_cut
+        return None, layer.backward_weight(p, aux, res, cut)
+      return lax.scan(body, None, (_take(layers_VxLc, v), res_Lc, cut_Lc))[1]
 
-    def backward(acc, op, x, dy):
-      """B: vjp of the chunk on its stashed input, seeded by the loss on the
-      last chunk, and continued into the embedding after the first."""
-      mb, v = op["bwd_mb"], op["bwd_chunk"]
-      layer_p = _take(layers_VxLc, v)
+    # Every branch: (acc, op, x, dy, res, cut, head_res, head_cut) ->
+    #   (acc, y, dx, res, cut, head_res, head_cut), unused outputs zero.
+    def out(acc, y=None, dx=None, res=None, cut=None, head_res=None, head_cut=None):
+      return (acc, zeros_x if y is None else y, zeros_x if dx is None else dx,
+              zero_res if res is None else res, zero_cut if cut is None else cut,
+              zero_head_res if head_res is None else head_res,
+              zero_head_cut if head_cut is None else head_cut)
 
-      def with_loss(head_g, loss):
-        def f(lp, hp, x):
-          return loss_fn(hp, chunk_fn(lp, x), targets[mb]) * scale
-        value, vjp = jax.vjp(f, layer_p, head_p, x)
-        layer_g, d_head, dx = vjp(jnp.ones_like(value))
-        return layer_g, dx, _add(head_g, d_head), loss + value.astype(loss.dtype)
+    def idle(acc, op, x, dy, res, cut, head_res, head_cut):
+      return out(acc)
 
-      def from_grad(head_g, loss):
-        _, vjp = jax.vjp(chunk_fn, layer_p, x)
-        return *vjp(dy), head_g, loss
+    def f(acc, op, x, dy, res, cut, head_res, head_cut):
+      y, res = chunk_forward(op["chunk"], x, _take(aux_all, op["mb"]))
+      return out(acc, y=y, res=res)
 
-      layer_g, dx, head_g, loss = lax.cond(is_last(v), with_loss, from_grad,
-                                           acc["head_g"], acc["loss"])
+    def f_first(acc, op, x, dy, res, cut, head_res, head_cut):
+      return f(acc, op, embed_fn(embed_p, inputs[op["mb"]]), dy, res, cut, head_res, head_cut)
 
-      def into_embedding(embed_g):
-        _, vjp = jax.vjp(lambda p: embed_fn(p, inputs[mb]), embed_p)
-        return _add(embed_g, vjp(dx)[0]), zeros_x
+    def f_last(acc, op, x, dy, res, cut, head_res, head_cut):
+      aux = _take(aux_all, op["mb"])
+      y, res = chunk_forward(op["chunk"], x, aux)
+      if backward:
+        loss, head_res = head.forward(head_p, y, aux)
+      else:
+        loss, head_res = loss_fn(head_p, y, aux) * scale, None
+      acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
+      return out(acc, res=res, head_res=head_res)
 
-      embed_g, dx = lax.cond(is_first(v), into_embedding, lambda g: (g, dx),
-                             acc["embed_g"])
-      acc = {"layers_g": _add_at(acc["layers_g"], v, layer_g), "head_g": head_g,
-             "embed_g": embed_g, "loss": loss}
-      return acc, dx
+    def b(acc, op, x, dy, res, cut, head_res, head_cut):
+      dx, cut = chunk_backward_input(op["chunk"], res, _take(aux_all, op["mb"]), dy)
+      return out(acc, dx=dx, cut=cut)
 
-    def idle(acc, op, x_fwd, x_bwd, dy):
-      return acc, zeros_x, zeros_x
+    def b_first(acc, op, x, dy, res, cut, head_res, head_cut):
+      """B of chunk 0, continued into the embedding (a scatter-add: no W)."""
+      acc, _, dx, _, cut, _, _ = b(acc, op, x, dy, res, cut, head_res, head_cut)
+      _, vjp = jax.vjp(lambda p: embed_fn(p, inputs[op["mb"]]), embed_p)
+      return out({**acc, "embed_g": _add(acc["embed_g"], vjp(dx)[0])}, cut=cut)
 
-    def f_only(acc, op, x_fwd, x_bwd, dy):
-      return acc, forward(op, x_fwd), zeros_x
+    def b_last(acc, op, x, dy, res, cut, head_res, head_cut):
+      aux = _take(aux_all, op["mb"])
+      seed = jnp.ones((), jnp.float32)
+      dy, head_cut = head.backward_input(head_p, aux, head_res, _varying(seed, manual))
+      dx, cut = chunk_backward_input(op["chunk"], res, aux, dy)
+      return out(acc, dx=dx, cut=cut, head_cut=head_cut)
 
-    def b_only(acc, op, x_fwd, x_bwd, dy):
-      acc, dx = backward(acc, op, x_bwd, dy)
-      return acc, zeros_x, dx
+    def w(acc, op, x, dy, res, cut, head_res, head_cut):
+      layer_g = chunk_backward_weight(op["chunk"], res, cut, _take(aux_all, op["mb"]))
+      return out({**acc, "layers_g": _add_at(acc["layers_g"], op["chunk"], layer_g)})
 
-    def f_and_b(acc, op, x_fwd, x_bwd, dy):
-      y = forward(op, x_fwd)
-      acc, dx = backward(acc, op, x_bwd, dy)
-      return acc, y, dx
+    def w_last(acc, op, x, dy, res, cut, head_res, head_cut):
+      acc = w(acc, op, x, dy, res, cut, head_res, head_cut)[0]
+      head_g = head.backward_weight(head_p, _take(aux_all, op["mb"]), head_res, head_cut)
+      return out({**acc, "head_g": _add(acc["head_g"], head_g)})
+
+    branches = (idle, f, f_first, f_last, b, b_first, b_last, w, w_last)
 
     def tick(carry, row):
-      """Stash I/O stays outside the branches, so XLA updates the stash in
-      place (passed through a conditional it was copied once more)."""
-      acc, acts, grads, act_in, grad_in = carry
+      acc, buffers, act_in, grad_in = carry
       op = {name: column[stage] for name, column in row.items()}
-      acts = _put(acts, op["act_recv_slot"], act_in)
-      grads = _put(grads, op["grad_recv_slot"], grad_in)
-      embeds = (op["fwd_mb"] >= 0) & is_first(op["fwd_chunk"])
-      x_emb = lax.cond(embeds, lambda: embed_fn(embed_p, inputs[op["fwd_mb"]]),
-                       lambda: zeros_x)
-      acts = _put(acts, jnp.where(embeds, op["fwd_slot"], -1), x_emb)
-      read = lambda buffer, slot: buffer[jnp.maximum(slot, 0)]
-      code = (op["fwd_mb"] >= 0).astype(jnp.int32) + 2 * (op["bwd_mb"] >= 0)
-      acc, y, dx = lax.switch(code, (idle, f_only, b_only, f_and_b), acc, op,
-                              read(acts, op["fwd_slot"]), read(acts, op["bwd_slot"]),
-                              read(grads, op["bwd_grad_slot"]))
+      buffers = {**buffers, "act": _put(buffers["act"], op["act_recv_slot"], act_in)}
+      if backward:
+        buffers["grad"] = _put(buffers["grad"], op["grad_recv_slot"], grad_in)
+      reads = [_read(buffers[name], op[column]) for name, column in
+               (("act", "act_slot"), ("grad", "grad_slot"), ("res", "res_slot"),
+                ("cut", "cut_slot"), ("head_res", "head_res_slot"),
+                ("head_cut", "head_cut_slot"))]
+      acc, y, dx, *writes = lax.switch(op["branch"], branches, acc, op, *reads)
+      is_f, is_b = op["op"] == schedules.F, op["op"] == schedules.B
+      for name, column, when in (("res", "res_slot", is_f), ("cut", "cut_slot", is_b),
+                                 ("head_res", "head_res_slot", is_f),
+                                 ("head_cut", "head_cut_slot", is_b)):
+        buffers[name] = _put(buffers[name], jnp.where(when, op[column], -1),
+                             writes[("res", "cut", "head_res", "head_cut").index(name)])
       right = [(i, (i + 1) % num_stages) for i in range(num_stages)]
       left = [(i, (i - 1) % num_stages) for i in range(num_stages)]
-      return (acc, acts, grads, lax.ppermute(y, AXIS, right),
-              lax.ppermute(dx, AXIS, left)), None
+      dx = lax.ppermute(dx, AXIS, left) if backward else dx
+      return (acc, buffers, lax.ppermute(y, AXIS, right), dx), None
 
-    def stash(slots):
-      return _varying(jnp.zeros((max(slots, 1), *x_struct.shape), x_struct.dtype), manual)
+    stash_Lc = cut_Lc = head_stash = head_cut = []
+    if backward:
+      stash_Lc, cut_Lc = ([jax.ShapeDtypeStruct((num_layers, *s.shape), s.dtype) for s in structs]
+                          for structs in (layer.stash, layer.cut))
+      head_stash, head_cut = head.stash, head.cut
+    zero_res, zero_cut, zero_head_res, zero_head_cut = (
+        _varying(_zeros(s), manual) for s in (stash_Lc, cut_Lc, head_stash, head_cut))
 
-    acc = {"layers_g": _zeros_f32(layers_VxLc), "embed_g": _zeros_f32(embed_p),
-           "head_g": _zeros_f32(head_p), "loss": _varying(jnp.zeros((), jnp.float32), manual)}
-    init = (acc, stash(schedule.num_act_slots), stash(schedule.num_grad_slots), zeros_x,
-            zeros_x)
-    (acc, *_), _ = lax.scan(tick, init, tables)
+    def buffer(structs, name):
+      return _varying(_zeros(structs, (max(schedule.num_slots(name), 1),)), manual)
+
+    buffers = {"act": buffer(x_struct, "act"), "grad": buffer(x_struct if backward else [], "grad"),
+               "res": buffer(stash_Lc, "res"), "cut": buffer(cut_Lc, "cut"),
+               "head_res": buffer(head_stash, "head_res"),
+               "head_cut": buffer(head_cut, "head_cut")}
+    # Float32 sums whatever the weights' dtype, so M microbatches of
+    # bfloat16 gradients add up without rounding.
+    acc = _varying({"layers_g": _zeros(layers_VxLc, dtype=jnp.float32),
+                    "embed_g": _zeros(embed_p, dtype=jnp.float32),
+                    "head_g": _zeros(head_p, dtype=jnp.float32),
+                    "loss": jnp.zeros((), jnp.float32)}, manual)
+    if not backward:
+      acc = {"loss": acc["loss"]}
+    (acc, *_), _ = lax.scan(tick, (acc, buffers, zeros_x, zeros_x), tables)
+    loss = lax.psum(acc["loss"], manual)
+    if not backward:
+      return loss, None
     layers_g = acc["layers_g"]
     if batch_axes:
       layers_g = lax.psum(layers_g, batch_axes)
-    grads = {"embed": lax.psum(acc["embed_g"], manual),
-             "layers": jax.tree.map(lambda g: g[:, None], layers_g),
-             "head": lax.psum(acc["head_g"], manual)}
-    return lax.psum(acc["loss"], manual), grads
+    return loss, {"embed": lax.psum(acc["embed_g"], manual),
+                  "layers": jax.tree.map(lambda g: g[:, None], layers_g),
+                  "head": lax.psum(acc["head_g"], manual)}
 
   replicated, by_stage = PartitionSpec(), PartitionSpec(None, AXIS)
+  grads_spec = {"embed": replicated, "layers": by_stage, "head": replicated} if backward else None
   loss, grads = jax.shard_map(
       run, mesh=mesh, axis_names=set(manual),
-      in_specs=(replicated, by_stage, replicated, batch_spec, batch_spec),
-      out_specs=(replicated, {"embed": replicated, "layers": by_stage, "head": replicated}),
+      in_specs=(replicated, by_stage, replicated, batch_spec),
+      out_specs=(replicated, grads_spec),
   )(params["embed"], to_stages(params["layers"], num_stages, num_chunks), params["head"],
-    inputs_MxBxL, targets_MxBxL)
+    microbatches)
+  if grads is None:
+    return loss, None
   return loss, {**grads, "layers": from_stages(grads["layers"])}

@@ -2,17 +2,21 @@
 
 A runtime (one `lax.scan` over ticks inside `shard_map`) indexes these arrays
 with `(tick, axis_index('pipeline'))`; nothing here runs a model. Tables are
-checked by `validate`, measured by `bubble_fraction` and `peak_in_flight`,
-printed by `to_text` and drawn by `draw.draw_gantt`.
+checked by `validate`, measured by `bubble_fraction`, `timeline` and
+`peak_in_flight`, printed by `to_text` and drawn by `draw.draw_gantt`.
 
-Tick model. P stages, M microbatches, V model chunks per stage; chunk v of
-stage s is global chunk c = v * P + s (Megatron's interleaved layout). In one
-tick a stage runs at most one forward (F) and at most one backward (B), F
-first. After the compute every stage sends its F output one step right on the
-ring (stage P-1 to stage 0 moves on to the next chunk) and its B output (the
-input gradient) one step left, so a value made at tick t is usable from tick
-t + 1 on. B recomputes its chunk's forward from the stashed input, so the
-last chunk's B can run the tick its F does (the loss is local).
+Ops. The backward is split as zero-bubble pipelines split it (Qi et al.
+2023): F (forward, keeps its residuals), B (input gradient, sent on at once)
+and W (weight gradient, frees the residuals); each costs about one F, and a
+stage runs at most one op per tick. P stages, M microbatches, V model chunks
+per stage; chunk v of stage s is global chunk c = v * P + s (Megatron's
+interleaved layout). After its op every stage sends an F output one step
+right on the ring (stage P-1 to stage 0 moves on to the next chunk) and a B
+output (the input gradient) one step left; a value made at tick t is usable
+from tick t + 1 on.
+
+Builders are per-stage op orders (like JaxPP's task lists) placed by one
+rule: each stage runs its next op at the first tick its inputs are there.
 """
 
 import dataclasses
@@ -20,55 +24,59 @@ from typing import NoReturn
 
 import numpy as np
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+IDLE, F, B, W = 0, 1, 2, 3
+OP_LETTERS = {F: "F", B: "B", W: "W"}
 
-_ARRAY_FIELDS = (
-    "fwd_mb", "fwd_chunk", "bwd_mb", "bwd_chunk", "fwd_slot", "bwd_slot",
-    "act_recv_slot", "grad_recv_slot", "bwd_grad_slot")
-
-_ACT_ROLES = {"recv": "act_recv_slot", "fwd": "fwd_slot", "bwd": "bwd_slot"}
-_GRAD_ROLES = {"recv": "grad_recv_slot", "bwd": "bwd_grad_slot"}
-_KIND_NAMES = {"fwd": "forward", "bwd": "backward"}
+# Every buffer of a stage: the values it holds, where they are written and
+# read (table columns), and what frees them. (kind, stage, mb, chunk) keys.
+_SLOT_FIELDS = ("act_recv_slot", "act_slot", "grad_recv_slot", "grad_slot", "res_slot",
+                "cut_slot", "head_res_slot", "head_cut_slot")
+_ARRAY_FIELDS = ("op", "mb", "chunk", *_SLOT_FIELDS)
+BUFFERS = {  # buffer -> (column written, column read, column read last)
+    "act": ("act_recv_slot", "act_slot", "act_slot"),        # arrival -> F
+    "grad": ("grad_recv_slot", "grad_slot", "grad_slot"),    # arrival -> B
+    "res": ("res_slot", "res_slot", "res_slot"),             # F -> B -> W
+    "cut": ("cut_slot", "cut_slot", "cut_slot"),             # B -> W
+    "head_res": ("head_res_slot", "head_res_slot", "head_res_slot"),  # last chunk's head
+    "head_cut": ("head_cut_slot", "head_cut_slot", "head_cut_slot"),
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
   """A pipeline schedule: int32 arrays of shape [ticks, stages], -1 = none.
 
-  Ops:
-    fwd_mb, fwd_chunk: microbatch and chunk v in [0, V) whose forward runs.
-    bwd_mb, bwd_chunk: the same for the backward.
-
-  Activation slots (the stash; one buffer of `num_act_slots` per stage):
-    act_recv_slot: where the activation arriving at the start of this tick
-      (sent by the left neighbour's forward of the previous tick) is written;
-      -1 if nothing arrives or the arrival is not needed.
-    fwd_slot: the slot F reads its input from. For chunk 0 on stage 0 nothing
-      arrives: the runtime first writes the embedding output there.
-    bwd_slot: the slot B reads to recompute its forward; the slot is free
-      again after this tick. A slot is live from its write to this read.
-
-  Gradient slots (one buffer of `num_grad_slots` per stage):
-    grad_recv_slot: where the gradient arriving at the start of this tick
-      (sent by the right neighbour's backward of the previous tick) is written;
-      -1 if nothing arrives or the arrival is not needed.
-    bwd_grad_slot: the slot holding the output gradient B consumes, freed
-      after this tick; -1 for the last chunk, whose gradient is the loss's.
+  op: IDLE, F, B or W; mb, chunk: its microbatch and chunk v in [0, V).
+  Slots (each buffer holds `slots[buffer]` values per stage):
+    act_recv_slot / grad_recv_slot: where the activation (gradient) arriving
+      at the start of this tick is written, -1 if none arrives.
+    act_slot: the activation F reads (and frees); -1 for chunk 0 of stage 0,
+      whose F starts from the embedding.
+    grad_slot: the output gradient B reads (and frees); -1 for the last chunk,
+      whose gradient is the loss's.
+    res_slot: the residuals F writes, B reads and W reads and frees.
+    cut_slot: what B computes for W (gradients at the weights' outputs).
+    head_res_slot, head_cut_slot: the same for the head and loss, which only
+      the last chunk runs.
+  A forward-only schedule (`forward_only`) has F ops only and no slots but act.
   """
 
   name: str
   num_stages: int
   num_microbatches: int
   num_chunks: int
-  fwd_mb: np.ndarray
-  fwd_chunk: np.ndarray
-  bwd_mb: np.ndarray
-  bwd_chunk: np.ndarray
-  fwd_slot: np.ndarray
-  bwd_slot: np.ndarray
+  op: np.ndarray
+  mb: np.ndarray
+  chunk: np.ndarray
   act_recv_slot: np.ndarray
+  act_slot: np.ndarray
   grad_recv_slot: np.ndarray
-  bwd_grad_slot: np.ndarray
+  grad_slot: np.ndarray
+  res_slot: np.ndarray
+  cut_slot: np.ndarray
+  head_res_slot: np.ndarray
+  head_cut_slot: np.ndarray
 
   def __post_init__(self):
     # Read-only int32 copies: the table cannot change under a runtime.
@@ -79,150 +87,277 @@ class Schedule:
 
   @property
   def num_ticks(self) -> int:
-    return self.fwd_mb.shape[0]
+    return self.op.shape[0]
 
   @property
-  def act_slots_per_stage(self) -> list[int]:
-    """Activation slots each stage uses: its stash size."""
-    return _slots_per_stage(self.act_recv_slot, self.fwd_slot, self.bwd_slot)
+  def has_backward(self) -> bool:
+    return bool((self.op == B).any())
 
-  @property
-  def num_act_slots(self) -> int:
-    return max(self.act_slots_per_stage)
+  def slots_per_stage(self, buffer: str) -> list[int]:
+    """Slots of `buffer` each stage uses (its most values at once)."""
+    columns = np.stack([getattr(self, c) for c in BUFFERS[buffer]])
+    return [int(n) + 1 for n in columns.max(axis=(0, 1))]
 
-  @property
-  def num_grad_slots(self) -> int:
-    """0 when no gradient moves between chunks (P = V = 1)."""
-    return max(_slots_per_stage(self.grad_recv_slot, self.bwd_grad_slot))
+  def num_slots(self, buffer: str) -> int:
+    return max(self.slots_per_stage(buffer))
 
 
-def _slots_per_stage(*slot_tables: np.ndarray) -> list[int]:
-  highest = np.max(np.stack(slot_tables), axis=(0, 1))
-  return [int(n) + 1 for n in highest]
+# Building from per-stage op orders.
+
+Op = tuple[int, int, int]  # (kind, mb, chunk)
 
 
-# Building from op tables.
+def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
+          orders: list[list[Op]]) -> Schedule:
+  """Places each stage's ops in order, every op at the first tick it can run.
+
+  An F needs its input (the previous chunk's F, a tick earlier); a B its F
+  and the next chunk's B (a tick earlier); a W its B. Stages move in lock
+  step, one op per tick.
+  """
+  done: dict[Op, tuple[int, int]] = {}  # op -> (tick, stage)
+  last = num_stages * num_chunks - 1
+  position = [0] * num_stages
+  rows = []
+  while any(position[s] < len(orders[s]) for s in range(num_stages)):
+    tick = len(rows)
+    row = [(IDLE, -1, -1)] * num_stages
+    for stage in range(num_stages):
+      if position[stage] == len(orders[stage]):
+        continue
+      kind, mb, v = orders[stage][position[stage]]
+      c = v * num_stages + stage
+      needs = {F: [(F, mb, c - 1)] if c > 0 else [],
+               B: [(F, mb, c)] + ([(B, mb, c + 1)] if c < last else []),
+               W: [(B, mb, c)]}[kind]
+      if all(done.get(need, (tick,))[0] < tick for need in needs):
+        row[stage] = (kind, mb, v)
+        position[stage] += 1
+    for stage, (kind, mb, v) in enumerate(row):
+      if kind != IDLE:
+        done[kind, mb, v * num_stages + stage] = (tick, stage)
+    if all(kind == IDLE for kind, _, _ in row):
+      raise ValueError(f"{name}: the op orders deadlock at tick {tick} "
+                       f"(next ops {[o[p] if p < len(o) else None for o, p in zip(orders, position)]})")
+    rows.append(row)
+  table = np.array(rows, np.int32).reshape(len(rows), num_stages, 3)
+  return from_ops(name, num_stages, num_microbatches, num_chunks,
+                  table[..., 0], table[..., 1], table[..., 2])
 
 
 def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
-             fwd_mb: np.ndarray, fwd_chunk: np.ndarray, bwd_mb: np.ndarray,
-             bwd_chunk: np.ndarray) -> Schedule:
+             op: np.ndarray, mb: np.ndarray, chunk: np.ndarray) -> Schedule:
   """Completes op tables into a Schedule by giving each value a buffer slot.
 
-  Every value (activation or gradient of one microbatch-chunk on one stage)
-  lives from its first use to its last; each takes the lowest slot free over
-  that span. Greedy by start time is optimal for intervals, so a stage uses
-  exactly as many slots as it ever holds values at once.
+  Every value lives from its write to its last read; each takes the lowest
+  slot free over that span. Greedy by start time is optimal for intervals,
+  so a stage uses exactly as many slots as it ever holds values at once.
   """
-  ops = dict(fwd_mb=fwd_mb, fwd_chunk=fwd_chunk, bwd_mb=bwd_mb,
-             bwd_chunk=bwd_chunk)
-  ops = {key: np.asarray(table, np.int32) for key, table in ops.items()}
-  act_uses, grad_uses = _value_uses(num_stages, num_chunks, **ops)
-  shape = ops["fwd_mb"].shape
-  return Schedule(
-      name, num_stages, num_microbatches, num_chunks, **ops,
-      **_assign_slots(act_uses, shape, _ACT_ROLES),
-      **_assign_slots(grad_uses, shape, _GRAD_ROLES))
+  op, mb, chunk = (np.asarray(t, np.int32) for t in (op, mb, chunk))
+  tables = {field: np.full(op.shape, -1, np.int32) for field in _SLOT_FIELDS}
+  for buffer, uses in _value_uses(num_stages, num_chunks, op, mb, chunk).items():
+    _assign_slots(uses, tables, op.shape[1])
+  return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables)
 
 
 _Uses = dict[tuple[int, int, int], list[tuple[str, int]]]
 
 
-def _value_uses(num_stages: int, num_chunks: int, fwd_mb: np.ndarray,
-                fwd_chunk: np.ndarray, bwd_mb: np.ndarray,
-                bwd_chunk: np.ndarray) -> tuple[_Uses, _Uses]:
-  """(stage, mb, chunk) -> [(role, tick)], for activations and gradients."""
-  num_ticks = fwd_mb.shape[0]
-  last_chunk = num_stages * num_chunks - 1
-  act_uses, grad_uses = {}, {}
+def _value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
+                chunk: np.ndarray) -> dict[str, _Uses]:
+  """buffer -> {(stage, mb, chunk): [(column, tick), ...]}."""
+  num_ticks = op.shape[0]
+  last = num_stages * num_chunks - 1
+  uses = {buffer: {} for buffer in BUFFERS}
+  forward_only = not (op == B).any()
 
-  def use(uses: _Uses, chunk: int, mb: int, role: str, tick: int) -> None:
-    if 0 <= chunk <= last_chunk and tick < num_ticks:
-      key = (chunk % num_stages, int(mb), chunk // num_stages)
-      uses.setdefault(key, []).append((role, int(tick)))
+  def use(buffer: str, c: int, m: int, column: str, tick: int) -> None:
+    if 0 <= c <= last and tick < num_ticks:
+      key = (c % num_stages, int(m), c // num_stages)
+      uses[buffer].setdefault(key, []).append((column, int(tick)))
 
-  for tick, stage in np.argwhere(fwd_mb >= 0):
-    chunk = int(fwd_chunk[tick, stage]) * num_stages + stage
-    use(act_uses, chunk, fwd_mb[tick, stage], "fwd", tick)
-    use(act_uses, chunk + 1, fwd_mb[tick, stage], "recv", tick + 1)
-  for tick, stage in np.argwhere(bwd_mb >= 0):
-    chunk = int(bwd_chunk[tick, stage]) * num_stages + stage
-    use(act_uses, chunk, bwd_mb[tick, stage], "bwd", tick)
-    if chunk < last_chunk:  # the last chunk's gradient comes from the loss
-      use(grad_uses, chunk, bwd_mb[tick, stage], "bwd", tick)
-    use(grad_uses, chunk - 1, bwd_mb[tick, stage], "recv", tick + 1)
-  return act_uses, grad_uses
+  for tick, stage in np.argwhere(op != IDLE):
+    kind, m = op[tick, stage], mb[tick, stage]
+    c = int(chunk[tick, stage]) * num_stages + stage
+    if kind == F:
+      if c > 0:
+        use("act", c, m, "act_slot", tick)
+      if c < last:
+        use("act", c + 1, m, "act_recv_slot", tick + 1)
+      if not forward_only:
+        use("res", c, m, "res_slot", tick)
+        if c == last:
+          use("head_res", c, m, "head_res_slot", tick)
+    elif kind == B:
+      use("res", c, m, "res_slot", tick)
+      use("cut", c, m, "cut_slot", tick)
+      if c < last:
+        use("grad", c, m, "grad_slot", tick)
+      else:
+        use("head_res", c, m, "head_res_slot", tick)
+        use("head_cut", c, m, "head_cut_slot", tick)
+      if c > 0:
+        use("grad", c - 1, m, "grad_recv_slot", tick + 1)
+    else:
+      use("res", c, m, "res_slot", tick)
+      use("cut", c, m, "cut_slot", tick)
+      if c == last:
+        use("head_res", c, m, "head_res_slot", tick)
+        use("head_cut", c, m, "head_cut_slot", tick)
+  return uses
 
 
-def _assign_slots(uses: _Uses, shape: tuple[int, int],
-                  roles: dict[str, str]) -> dict[str, np.ndarray]:
-  tables = {field: np.full(shape, -1, np.int32) for field in roles.values()}
-  live_until = [[] for _ in range(shape[1])]  # per stage, per slot
+def _assign_slots(uses: _Uses, tables: dict[str, np.ndarray], num_stages: int) -> None:
+  live_until = [[] for _ in range(num_stages)]  # per stage, per slot
   by_start = sorted(uses.items(), key=lambda item: min(t for _, t in item[1]))
   for (stage, _, _), events in by_start:
     ticks = [tick for _, tick in events]
     slots = live_until[stage]
-    slot = next((i for i, until in enumerate(slots) if until < min(ticks)),
-                len(slots))
+    slot = next((i for i, until in enumerate(slots) if until < min(ticks)), len(slots))
     if slot == len(slots):
       slots.append(max(ticks))
     else:
       slots[slot] = max(ticks)
-    for role, tick in events:
-      tables[roles[role]][tick, stage] = slot
-  return tables
+    for column, tick in events:
+      tables[column][tick, stage] = slot
 
 
-# Builders.
+# Op orders.
+
+
+def _megatron_orders(num_stages: int, num_microbatches: int, num_chunks: int,
+                     warmup: list[int]) -> list[list[Op]]:
+  """Warm-up forwards, then one forward and one backward (B then W) in turn,
+  then the remaining backwards: Megatron's 1F1B and interleaved order.
+
+  Forwards go in groups of P microbatches (the last takes the remainder):
+  chunk 0 for the group, then chunk 1, ...; backwards in the same groups with
+  the chunks reversed.
+  """
+  fwd, bwd = [], []
+  for group in _microbatch_groups(num_microbatches, num_stages):
+    fwd += [(mb, v) for v in range(num_chunks) for mb in group]
+    bwd += [(mb, v) for v in reversed(range(num_chunks)) for mb in group]
+  orders = []
+  for stage in range(num_stages):
+    n = min(warmup[stage], len(fwd))
+    order = [(F, *item) for item in fwd[:n]]
+    for i in range(len(bwd)):
+      if n + i < len(fwd):
+        order.append((F, *fwd[n + i]))
+      order += [(B, *bwd[i]), (W, *bwd[i])]
+    orders.append(order)
+  return orders
+
+
+def _microbatch_groups(num_microbatches: int, num_stages: int) -> list[range]:
+  """Consecutive groups of P microbatches; the last takes the remainder."""
+  starts = list(range(0, num_microbatches - num_stages + 1, num_stages)) or [0]
+  ends = starts[1:] + [num_microbatches]
+  return [range(start, end) for start, end in zip(starts, ends)]
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-  """All forwards, then all backwards; stage s runs F of microbatch t - s.
-
-  The last stage starts the backward wave the tick of its last forward.
-  Every stage stashes all M microbatches.
-  """
+  """All forwards, then all backwards; every stage holds all M microbatches."""
   _check_sizes(num_stages, num_microbatches, 1)
-  order = [(mb, 0) for mb in range(num_microbatches)]
-  last_forward_tick = num_microbatches + num_stages - 2  # on stage P-1
-  return _wavefront_schedule("gpipe", num_stages, num_microbatches, 1, order,
-                             order, last_forward_tick)
+  order = ([(F, mb, 0) for mb in range(num_microbatches)]
+           + [op for mb in range(num_microbatches) for op in ((B, mb, 0), (W, mb, 0))])
+  return place("gpipe", num_stages, num_microbatches, 1, [order] * num_stages)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-  """Fused-tick 1F1B: at tick t stage s runs F of t - s and B of t - 2P + 2 + s.
-
-  T = M + 2P - 2 ticks; stage s stashes min(M, 2(P - s) - 1) inputs, flat in
-  M. That is about twice the classic P - s: a fused tick lasts F + B, so a
-  microbatch's forward crosses one stage per F + B instead of per F. Any
-  M >= 1 works (M < P just never reaches the steady state).
-  """
+  """Megatron's 1F1B: stage s runs P - s - 1 warm-up forwards, so it holds
+  min(M, P - s) microbatches; B and W run back to back (Megatron's backward)."""
   _check_sizes(num_stages, num_microbatches, 1)
-  return _one_f_one_b_family("1f1b", num_stages, num_microbatches, 1)
+  warmup = [num_stages - s - 1 for s in range(num_stages)]
+  return place("1f1b", num_stages, num_microbatches, 1,
+               _megatron_orders(num_stages, num_microbatches, 1, warmup))
 
 
 def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
                             num_chunks: int) -> Schedule:
-  """Megatron's interleaved 1F1B with V chunks per stage, in fused ticks.
-
-  Microbatches go in groups of P (the remainder joins the last group): a group
-  runs chunk 0 for all its microbatches, then chunk 1, and so on, which keeps
-  every stage busy every tick from its first forward to its last backward.
-  The bubble is (P - 1)/(V M + P - 1). With M a multiple of P, stage s holds
-  min(V M, (V + 1) P - 2 s - 1) chunk inputs at most, each 1/V of a stage's
-  layers; a larger last group makes its inputs wait on stage 0 and delays the
-  backwards (more stash, same bubble). M < P cannot reach the formula (for
-  V > 1): chunk v + 1 of a microbatch needs P ticks to come round the ring,
-  and with fewer than P microbatches stage 0 has nothing to do meanwhile.
-  """
+  """Megatron's interleaved 1F1B with V chunks per stage: warm-up
+  (P - s - 1) * 2 + (V - 1) * P forwards on stage s, so its bubble is about
+  (P - 1)/(V M + P - 1) at the cost of more chunk activations in flight.
+  M must be a multiple of P (for V > 1): chunk v + 1 of a microbatch needs
+  P ticks to come round the ring, which a group of P microbatches fills."""
   _check_sizes(num_stages, num_microbatches, num_chunks)
-  if num_chunks > 1 and num_microbatches < num_stages:
+  if num_chunks > 1 and num_microbatches % num_stages:
     raise ValueError(
-        f"interleaved_1f1b needs num_microbatches >= num_stages, got "
-        f"{num_microbatches} < {num_stages}: raise num_microbatches to "
-        f"{num_stages} or more, or use num_chunks=1")
-  return _one_f_one_b_family("interleaved_1f1b", num_stages, num_microbatches,
-                             num_chunks)
+        f"interleaved_1f1b needs num_microbatches to be a multiple of num_stages (Megatron's "
+        f"rule), got {num_microbatches} microbatches on {num_stages} stages: use "
+        f"{num_stages * max(1, round(num_microbatches / num_stages))} microbatches, or num_chunks=1")
+  warmup = [(num_stages - s - 1) * 2 + (num_chunks - 1) * num_stages
+            for s in range(num_stages)]
+  if num_chunks == 1:
+    warmup = [num_stages - s - 1 for s in range(num_stages)]
+  return place("interleaved_1f1b", num_stages, num_microbatches, num_chunks,
+               _megatron_orders(num_stages, num_microbatches, num_chunks, warmup))
+
+
+def _zero_bubble(name: str, num_stages: int, num_microbatches: int,
+                 before_b: list[int], before_w: list[int]) -> Schedule:
+  """Zero-bubble placement (Qi et al. 2023): each tick a stage runs a B if a
+  gradient waits, else an F if it holds fewer than `before_b[s]` microbatches
+  awaiting their B and fewer than `before_w[s]` awaiting their W, else a W:
+  W is the op that fills the bubbles."""
+  _check_sizes(num_stages, num_microbatches, 1)
+  m, last = num_microbatches, num_stages - 1
+  done: dict[tuple[int, int, int], int] = {}
+  next_f, next_b, next_w = [0] * num_stages, [0] * num_stages, [0] * num_stages
+  rows = []
+  while min(next_w) < m:
+    tick = len(rows)
+    row = []
+    for s in range(num_stages):
+      ready_f = next_f[s] < m and (s == 0 or done.get((F, next_f[s], s - 1), tick) < tick)
+      ready_b = (next_b[s] < next_f[s] and done.get((F, next_b[s], s), tick) < tick
+                 and (s == last or done.get((B, next_b[s], s + 1), tick) < tick))
+      if ready_b:
+        row.append((B, next_b[s]))
+        next_b[s] += 1
+      elif (ready_f and next_f[s] - next_b[s] < before_b[s]
+            and next_f[s] - next_w[s] < before_w[s]):
+        row.append((F, next_f[s]))
+        next_f[s] += 1
+      elif next_w[s] < next_b[s]:
+        row.append((W, next_w[s]))
+        next_w[s] += 1
+      else:
+        row.append((IDLE, -1))
+    for s, (kind, mb) in enumerate(row):
+      if kind != IDLE:
+        done[kind, mb, s] = tick
+    rows.append(row)
+  op = np.array([[kind for kind, _ in row] for row in rows], np.int32)
+  mbs = np.array([[mb for _, mb in row] for row in rows], np.int32)
+  return from_ops(name, num_stages, num_microbatches, 1, op, mbs, np.where(op > 0, 0, -1))
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+  """ZB-H1: 1F1B's activations (P - s microbatches awaiting B on stage s),
+  up to P - 1 W deferred into the bubbles: (P - 1)/(3M + P - 1) at F = B = W,
+  a third of 1F1B's idle time."""
+  p = num_stages
+  return _zero_bubble("zb_h1", p, num_microbatches, [p - s for s in range(p)],
+                      [2 * p - s - 1 for s in range(p)])
+
+
+def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
+  """ZB-H2: up to 2(P - s) - 1 microbatches awaiting B on stage s, enough
+  warm-up forwards to fill the start of the pipeline; more memory, and the
+  smallest bubble when W costs less than F or B."""
+  p = num_stages
+  return _zero_bubble("zb_h2", p, num_microbatches, [2 * (p - s) - 1 for s in range(p)],
+                      [3 * p - 2 * s - 2 for s in range(p)])
+
+
+def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+  """Forwards only (evaluation): GPipe's forward wave, nothing stashed."""
+  _check_sizes(num_stages, num_microbatches, num_chunks)
+  order = [(F, mb, v) for group in _microbatch_groups(num_microbatches, num_stages)
+           for v in range(num_chunks) for mb in group]
+  return place("forward", num_stages, num_microbatches, num_chunks, [order] * num_stages)
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
@@ -230,75 +365,22 @@ def build(name: str, num_stages: int, num_microbatches: int,
   """Builds the schedule called `name` (one of SCHEDULE_NAMES)."""
   if name == "interleaved_1f1b":
     return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
-  if name not in SCHEDULE_NAMES:
+  builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2}
+  if name not in builders:
     raise ValueError(f"unknown pipeline schedule {name!r}: choose one of "
                      f"{', '.join(SCHEDULE_NAMES)}")
   if num_chunks != 1:
     raise ValueError(f"{name} runs one chunk per stage, got num_chunks="
                      f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
-  builder = gpipe if name == "gpipe" else one_f_one_b
-  return builder(num_stages, num_microbatches)
+  return builders[name](num_stages, num_microbatches)
 
 
-def _check_sizes(num_stages: int, num_microbatches: int,
-                 num_chunks: int) -> None:
+def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
   sizes = dict(num_stages=num_stages, num_microbatches=num_microbatches,
                num_chunks=num_chunks)
   for key, value in sizes.items():
     if not isinstance(value, int | np.integer) or value < 1:
       raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
-def _one_f_one_b_family(name: str, num_stages: int, num_microbatches: int,
-                        num_chunks: int) -> Schedule:
-  """1F1B streams with the backward wave started as early as the loss allows."""
-  fwd_order, bwd_order = [], []
-  chunks = range(num_chunks)
-  for group in _microbatch_groups(num_microbatches, num_stages):
-    fwd_order += [(mb, v) for v in chunks for mb in group]
-    bwd_order += [(mb, v) for v in reversed(chunks) for mb in group]
-  # The last chunk runs on stage P-1: there F of fwd_order[k] runs at tick
-  # k + P - 1 and B of bwd_order[j] at j + bwd_delay; B may not come first.
-  fwd_pos = {item: k for k, item in enumerate(fwd_order)}
-  bwd_delay = num_stages - 1 + max(
-      fwd_pos[item] - j for j, item in enumerate(bwd_order)
-      if item[1] == num_chunks - 1)
-  return _wavefront_schedule(name, num_stages, num_microbatches, num_chunks,
-                             fwd_order, bwd_order, bwd_delay)
-
-
-def _microbatch_groups(num_microbatches: int, num_stages: int) -> list[range]:
-  """Consecutive groups of P microbatches; the last takes the remainder.
-
-  Within a group of G >= P, chunk v + 1 of a microbatch is due G ticks after
-  chunk v, and its input needs P ticks to come round the ring.
-  """
-  starts = list(range(0, num_microbatches - num_stages + 1, num_stages)) or [0]
-  ends = starts[1:] + [num_microbatches]
-  return [range(start, end) for start, end in zip(starts, ends)]
-
-
-def _wavefront_schedule(name: str, num_stages: int, num_microbatches: int,
-                        num_chunks: int, fwd_order: list[tuple[int, int]],
-                        bwd_order: list[tuple[int, int]],
-                        bwd_delay: int) -> Schedule:
-  """Stage s runs F of fwd_order[k] at tick k + s, B of bwd_order[j] at tick
-  bwd_delay + j + P - 1 - s: forwards go right and backwards left one stage
-  per tick, so most values are used the tick they arrive."""
-  last_stage = num_stages - 1
-  num_ticks = max(len(fwd_order) + last_stage,
-                  bwd_delay + len(bwd_order) + last_stage)
-  tables = {key: np.full((num_ticks, num_stages), -1, np.int32)
-            for key in ("fwd_mb", "fwd_chunk", "bwd_mb", "bwd_chunk")}
-  for stage in range(num_stages):
-    for k, (mb, v) in enumerate(fwd_order):
-      tables["fwd_mb"][k + stage, stage] = mb
-      tables["fwd_chunk"][k + stage, stage] = v
-    for j, (mb, v) in enumerate(bwd_order):
-      tick = bwd_delay + j + last_stage - stage
-      tables["bwd_mb"][tick, stage] = mb
-      tables["bwd_chunk"][tick, stage] = v
-  return from_ops(name, num_stages, num_microbatches, num_chunks, **tables)
 
 
 # Checks.
@@ -307,62 +389,47 @@ def _wavefront_schedule(name: str, num_stages: int, num_microbatches: int,
 def validate(schedule: Schedule) -> None:
   """Raises ValueError naming the first broken rule, tick and stage.
 
-  Checks: op tables hold valid (mb, chunk) pairs; each forward and backward
-  of every (mb, global chunk) runs exactly once; F of chunk c runs after F of
-  c - 1 (its input arrives a tick later), B after its F and after B of c + 1;
-  replaying the buffers, arrivals go to free slots (exactly the needed ones),
-  and every F and B reads the slot holding its own value.
+  Checks: ops are valid (kind, mb, chunk); every F, B and W of each (mb,
+  global chunk) runs exactly once (a forward-only table: every F, no B or
+  W); F of chunk c after F of c - 1, B after its F and after B of c + 1, W
+  after its B; replaying the buffers, values go to free slots and every op
+  reads the slot holding its own value.
   """
-  _check_shapes(schedule)
-  _check_op_ranges(schedule)
-  fwd_ticks = _op_ticks(schedule, "fwd")
-  bwd_ticks = _op_ticks(schedule, "bwd")
-  _check_dependencies(schedule, fwd_ticks, bwd_ticks)
+  shape = schedule.op.shape
+  if len(shape) != 2 or shape[1] != schedule.num_stages:
+    raise ValueError(f"op has shape {shape}, expected [ticks, {schedule.num_stages}]")
+  for field in _ARRAY_FIELDS:
+    if getattr(schedule, field).shape != shape:
+      raise ValueError(f"{field} has shape {getattr(schedule, field).shape}, expected {shape}")
+  bad = ((schedule.op < IDLE) | (schedule.op > W) | (schedule.mb >= schedule.num_microbatches)
+         | (schedule.chunk >= schedule.num_chunks)
+         | ((schedule.op == IDLE) != (schedule.mb < 0)) | ((schedule.mb < 0) != (schedule.chunk < 0)))
+  if bad.any():
+    tick, stage = np.argwhere(bad)[0]
+    raise ValueError(f"tick {tick} stage {stage}: op {schedule.op[tick, stage]} (microbatch "
+                     f"{schedule.mb[tick, stage]}, chunk {schedule.chunk[tick, stage]}) is not a "
+                     f"valid op, microbatch and chunk, nor idle with both -1")
+  kinds = (F, B, W) if schedule.has_backward else (F,)
+  ticks = {kind: _op_ticks(schedule, kind, kind in kinds) for kind in (F, B, W)}
+  _check_dependencies(schedule, ticks)
   _check_buffers(schedule)
 
 
-def _check_shapes(schedule: Schedule) -> None:
-  shape = schedule.fwd_mb.shape
-  if len(shape) != 2 or shape[1] != schedule.num_stages:
-    raise ValueError(f"fwd_mb has shape {shape}, expected [ticks, "
-                     f"{schedule.num_stages}]")
-  for field in _ARRAY_FIELDS:
-    if getattr(schedule, field).shape != shape:
-      raise ValueError(f"{field} has shape {getattr(schedule, field).shape}, "
-                       f"expected {shape} like fwd_mb")
-
-
-def _check_op_ranges(schedule: Schedule) -> None:
-  for kind in ("fwd", "bwd"):
-    mb = getattr(schedule, f"{kind}_mb")
-    chunk = getattr(schedule, f"{kind}_chunk")
-    bad = ((mb < -1) | (mb >= schedule.num_microbatches) | (chunk < -1)
-           | (chunk >= schedule.num_chunks) | ((mb < 0) != (chunk < 0)))
-    if bad.any():
-      tick, stage = np.argwhere(bad)[0]
-      raise ValueError(
-          f"tick {tick} stage {stage}: {kind} op (microbatch "
-          f"{mb[tick, stage]}, chunk {chunk[tick, stage]}) is not a valid "
-          f"microbatch and chunk, nor both -1")
-
-
-def _op_ticks(schedule: Schedule, kind: str) -> dict[tuple[int, int], int]:
+def _op_ticks(schedule: Schedule, kind: int, required: bool) -> dict[tuple[int, int], int]:
   """(mb, global chunk) -> tick of its one `kind` op; raises if not one."""
-  mb_table = getattr(schedule, f"{kind}_mb")
-  chunk_table = getattr(schedule, f"{kind}_chunk")
-  ticks = {}
-  for tick, stage in np.argwhere(mb_table >= 0):
-    key = (int(mb_table[tick, stage]),
-           int(chunk_table[tick, stage]) * schedule.num_stages + int(stage))
-    ticks.setdefault(key, []).append(int(tick))
+  found: dict[tuple[int, int], list[int]] = {}
+  for tick, stage in np.argwhere(schedule.op == kind):
+    key = (int(schedule.mb[tick, stage]),
+           int(schedule.chunk[tick, stage]) * schedule.num_stages + int(stage))
+    found.setdefault(key, []).append(int(tick))
   for mb in range(schedule.num_microbatches):
-    for chunk in range(schedule.num_stages * schedule.num_chunks):
-      found = ticks.get((mb, chunk), [])
-      if len(found) != 1:
-        what = "is missing" if not found else f"runs at ticks {found}"
-        raise ValueError(f"{_KIND_NAMES[kind]} of {_value(schedule, mb, chunk)}"
-                         f" {what}; it must run exactly once")
-  return {key: found[0] for key, found in ticks.items()}
+    for c in range(schedule.num_stages * schedule.num_chunks):
+      at = found.get((mb, c), [])
+      if len(at) != (1 if required else 0):
+        what = "is missing" if not at else f"runs at ticks {at}"
+        raise ValueError(f"{OP_LETTERS[kind]} of {_value(schedule, mb, c)} {what}; it must run "
+                         f"{'exactly once' if required else 'never in a forward-only table'}")
+  return {key: at[0] for key, at in found.items()}
 
 
 def _value(schedule: Schedule, mb: int, chunk: int) -> str:
@@ -370,24 +437,18 @@ def _value(schedule: Schedule, mb: int, chunk: int) -> str:
   return f"microbatch {mb} chunk {chunk} (stage {stage}, virtual chunk {v})"
 
 
-def _check_dependencies(schedule: Schedule,
-                        fwd_ticks: dict[tuple[int, int], int],
-                        bwd_ticks: dict[tuple[int, int], int]) -> None:
+def _check_dependencies(schedule: Schedule, ticks: dict[int, dict]) -> None:
   last = schedule.num_stages * schedule.num_chunks - 1
-  for (mb, chunk), tick in fwd_ticks.items():
-    if chunk > 0 and tick <= fwd_ticks[mb, chunk - 1]:
-      raise ValueError(
-          f"forward of {_value(schedule, mb, chunk)} runs at tick {tick}, "
-          f"before its input from tick {fwd_ticks[mb, chunk - 1]} arrives")
-    if bwd_ticks[mb, chunk] < tick:
-      raise ValueError(
-          f"backward of {_value(schedule, mb, chunk)} runs at tick "
-          f"{bwd_ticks[mb, chunk]}, before its forward at tick {tick}")
-    if chunk < last and bwd_ticks[mb, chunk] <= bwd_ticks[mb, chunk + 1]:
-      raise ValueError(
-          f"backward of {_value(schedule, mb, chunk)} runs at tick "
-          f"{bwd_ticks[mb, chunk]}, before its gradient from tick "
-          f"{bwd_ticks[mb, chunk + 1]} arrives")
+  rules = [(F, F, -1, "its input"), (B, F, 0, "its forward"), (B, B, 1, "its gradient"),
+           (W, B, 0, "its input gradient")]
+  for kind, need_kind, offset, what in rules:
+    for (mb, c), tick in ticks[kind].items():
+      if not 0 <= c + offset <= last:
+        continue
+      need = ticks[need_kind][mb, c + offset]
+      if tick <= need:
+        raise ValueError(f"{OP_LETTERS[kind]} of {_value(schedule, mb, c)} runs at tick {tick}, "
+                         f"before {what} from tick {need} is there")
 
 
 class _Buffer:
@@ -398,14 +459,13 @@ class _Buffer:
 
   def write(self, tick: int, slot: int, value: tuple[int, int]) -> None:
     if slot < 0:
-      self.fail(tick, f"{self._name(value)} arrives but has slot {slot}")
+      self.fail(tick, f"{self._name(value)} needs a slot but has {slot}")
     if slot in self.held:
       self.fail(tick, f"writing {self._name(value)} overwrites slot {slot}, "
                 f"which still holds {self._name(self.held[slot])}")
     self.held[slot] = value
 
-  def read(self, tick: int, slot: int, value: tuple[int, int],
-           free: bool) -> None:
+  def read(self, tick: int, slot: int, value: tuple[int, int], free: bool) -> None:
     held = self.held.get(slot)
     if held != value:
       self.fail(tick, f"reads slot {slot} for {self._name(value)} but it "
@@ -421,123 +481,113 @@ class _Buffer:
 
 
 def _check_buffers(schedule: Schedule) -> None:
-  """Replays every stage's buffers tick by tick: arrivals, then F, then B."""
+  """Replays every stage's buffers tick by tick: arrivals, then the op, which
+  writes and reads exactly the slots its values need."""
+  expected = {}  # (column, tick, stage) -> (buffer, value, action)
+  for buffer, uses in _value_uses(schedule.num_stages, schedule.num_chunks, schedule.op,
+                                  schedule.mb, schedule.chunk).items():
+    for (stage, mb, v), events in uses.items():
+      events = sorted(events, key=lambda e: e[1])
+      for i, (column, tick) in enumerate(events):
+        action = "write" if i == 0 else ("free" if i == len(events) - 1 else "read")
+        expected[column, tick, stage] = (buffer, (mb, v), action)
   for stage in range(schedule.num_stages):
-    act, grad = _Buffer("activation", stage), _Buffer("gradient", stage)
+    buffers = {name: _Buffer(name, stage) for name in BUFFERS}
     for tick in range(schedule.num_ticks):
-      for buffer, kind, field in ((act, "fwd", "act_recv_slot"),
-                                  (grad, "bwd", "grad_recv_slot")):
-        value = _arrival(schedule, kind, tick, stage)
-        slot = int(getattr(schedule, field)[tick, stage])
-        if value:
-          buffer.write(tick, slot, value)
-        elif slot != -1:
-          buffer.fail(tick, f"nothing needed arrives but {field} is {slot}")
-      _replay_ops(schedule, tick, stage, act, grad)
-
-
-def _replay_ops(schedule: Schedule, tick: int, stage: int, act: _Buffer,
-                grad: _Buffer) -> None:
-  """F reads its input (stage 0 chunk 0 first stashes the embedding), then B
-  reads and frees that input and its output gradient (none for the loss)."""
-  fwd = _op(schedule, "fwd", tick, stage)
-  bwd = _op(schedule, "bwd", tick, stage)
-  bwd_is_loss = (stage == schedule.num_stages - 1
-                 and bwd[1] == schedule.num_chunks - 1)
-  slots = {field: int(getattr(schedule, field)[tick, stage])
-           for field in ("fwd_slot", "bwd_slot", "bwd_grad_slot")}
-  needed = {"fwd_slot": fwd[0] >= 0, "bwd_slot": bwd[0] >= 0,
-            "bwd_grad_slot": bwd[0] >= 0 and not bwd_is_loss}
-  for field, slot in slots.items():
-    if needed[field] != (slot >= 0):
-      act.fail(tick, f"{field} is {slot} but "
-               f"{'an op needs' if needed[field] else 'no op uses'} a slot")
-  if fwd[0] >= 0:
-    if stage == 0 and fwd[1] == 0:
-      act.write(tick, slots["fwd_slot"], fwd)
-    act.read(tick, slots["fwd_slot"], fwd, free=False)
-  if bwd[0] >= 0:
-    act.read(tick, slots["bwd_slot"], bwd, free=True)
-    if needed["bwd_grad_slot"]:
-      grad.read(tick, slots["bwd_grad_slot"], bwd, free=True)
-
-
-def _op(schedule: Schedule, kind: str, tick: int,
-        stage: int) -> tuple[int, int]:
-  """(mb, chunk) of the `kind` ("fwd" or "bwd") op; (-1, -1) if none."""
-  return (int(getattr(schedule, f"{kind}_mb")[tick, stage]),
-          int(getattr(schedule, f"{kind}_chunk")[tick, stage]))
-
-
-def _arrival(schedule: Schedule, kind: str, tick: int,
-             stage: int) -> tuple[int, int] | None:
-  """The (mb, chunk) whose input ("fwd") or output gradient ("bwd") reaches
-  `stage` at the start of `tick`: the neighbour's op output of tick - 1, unless
-  it goes to the loss or the embedding instead."""
-  step = 1 if kind == "fwd" else -1
-  sender = (stage - step) % schedule.num_stages
-  if tick == 0:
-    return None
-  mb, v = _op(schedule, kind, tick - 1, sender)
-  chunk = v * schedule.num_stages + sender + step
-  if mb < 0 or not 0 <= chunk < schedule.num_stages * schedule.num_chunks:
-    return None
-  return mb, chunk // schedule.num_stages
+      for column in _SLOT_FIELDS:
+        slot = int(getattr(schedule, column)[tick, stage])
+        use = expected.get((column, tick, stage))
+        if use is None:
+          if slot != -1:
+            buffers["act"].fail(tick, f"{column} is {slot} but no value uses it")
+          continue
+        name, value, action = use
+        if action == "write":
+          buffers[name].write(tick, slot, value)
+        else:
+          buffers[name].read(tick, slot, value, free=action == "free")
 
 
 # Metrics.
 
 
-def ideal_bubble_fraction(num_stages: int, num_microbatches: int,
-                          num_chunks: int = 1) -> float:
+def ideal_bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
   """(P - 1)/(V M + P - 1): the textbook bubble of GPipe, 1F1B, interleaved."""
   return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
 
 
-def stage_busy_time(schedule: Schedule, fwd_cost: float = 1.0,
-                    bwd_cost: float = 1.0) -> np.ndarray:
-  """[ticks, stages] compute time; costs are per stage, so per chunk / V."""
-  has_fwd = schedule.fwd_mb >= 0
-  has_bwd = schedule.bwd_mb >= 0
-  return (has_fwd * fwd_cost + has_bwd * bwd_cost) / schedule.num_chunks
+def paper_bubble_fraction(name: str, num_stages: int, num_microbatches: int,
+                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                          num_chunks: int = 1) -> float:
+  """The bubble share by the formulas of Qi et al. 2023 (Table 1), idle time
+  (P - 1)(F + B + W) for 1F1B and GPipe (over V for interleaved),
+  (P - 1)(F + B - W) for ZB-H1 and (P - 1)(F + B - 2W), at least 0, for ZB-H2,
+  against M (F + B + W) of work per stage."""
+  f, b, w = costs
+  idle = {"zb_h1": f + b - w, "zb_h2": max(f + b - 2 * w, 0.0)}.get(name, (f + b + w) / num_chunks)
+  idle *= num_stages - 1
+  return idle / (num_microbatches * (f + b + w) + idle)
 
 
-def tick_durations(schedule: Schedule, fwd_cost: float = 1.0,
-                   bwd_cost: float = 1.0) -> np.ndarray:
-  """[ticks]: lock-step, so a tick lasts as long as its busiest stage."""
-  return stage_busy_time(schedule, fwd_cost, bwd_cost).max(axis=1)
+def timeline(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """Start and end time of every op, [ticks, stages], with F, B, W costing
+  `costs` (a whole stage's layers; a chunk costs 1/V): each stage runs its ops
+  in table order, each as soon as the stage is free and its inputs are done
+  (no lock step). Idle cells are NaN."""
+  cost = np.array([0.0, *costs]) / schedule.num_chunks
+  start = np.full(schedule.op.shape, np.nan)
+  end = np.full(schedule.op.shape, np.nan)
+  finished: dict[tuple[int, int, int], float] = {}
+  free = [0.0] * schedule.num_stages
+  last = schedule.num_stages * schedule.num_chunks - 1
+  for tick in range(schedule.num_ticks):
+    for stage in range(schedule.num_stages):
+      kind = int(schedule.op[tick, stage])
+      if kind == IDLE:
+        continue
+      mb, c = int(schedule.mb[tick, stage]), int(schedule.chunk[tick, stage]) * schedule.num_stages + stage
+      needs = {F: [(F, mb, c - 1)] if c > 0 else [],
+               B: [(F, mb, c)] + ([(B, mb, c + 1)] if c < last else []),
+               W: [(B, mb, c)]}[kind]
+      start[tick, stage] = max([free[stage]] + [finished[n] for n in needs])
+      end[tick, stage] = free[stage] = start[tick, stage] + cost[kind]
+      finished[kind, mb, c] = end[tick, stage]
+  return start, end
 
 
-def bubble_fraction(schedule: Schedule, fwd_cost: float = 1.0,
-                    bwd_cost: float = 1.0) -> float:
-  """Share of stage-time spent idle under the lock-step tick model.
-
-  Costs are for a whole stage's layers (a chunk costs 1/V of them); a tick
-  lasts its busiest stage's F + B time. Bubble = 1 - busy / (P * total time).
-  """
-  busy = stage_busy_time(schedule, fwd_cost, bwd_cost)
-  total = busy.max(axis=1).sum() * schedule.num_stages
-  return float(1.0 - busy.sum() / total)
+def bubble_fraction(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
+  """Share of stage-time spent idle on the `timeline`: 1 - busy / (P * makespan)."""
+  start, end = timeline(schedule, costs)
+  busy = np.nansum(end - start)
+  return float(1.0 - busy / (schedule.num_stages * np.nanmax(end)))
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-  """Per stage, the most microbatch-chunks forwarded but not yet backwarded.
+  """Per stage, the most microbatch-chunks whose activations it holds for
+  their B (forwarded, input gradient not yet computed), Megatron's count:
+  GPipe M; 1F1B and ZB-H1 min(M, P - s)."""
+  return _peak_between(schedule, F, B if schedule.has_backward else F)
 
-  Counted inside a tick after F and before B, so a fused F+B of one
-  microbatch counts once. GPipe: M; fused 1F1B: min(M, 2(P - s) - 1);
-  interleaved with P | M: min(V M, (V + 1) P - 2 s - 1).
-  """
-  forwarded = np.cumsum(schedule.fwd_mb >= 0, axis=0)
-  backwarded_before = np.cumsum(schedule.bwd_mb >= 0, axis=0) - (
-      schedule.bwd_mb >= 0)
-  return [int(n) for n in (forwarded - backwarded_before).max(axis=0)]
+
+def peak_awaiting_w(schedule: Schedule) -> list[int]:
+  """Per stage, the most microbatch-chunks forwarded whose W has not run:
+  the residual slots (W frees them)."""
+  return _peak_between(schedule, F, W if schedule.has_backward else F)
+
+
+def _peak_between(schedule: Schedule, opens: int, closes: int) -> list[int]:
+  """Most values opened and not yet closed, counted after each tick's op (a
+  closing op still holds its value while it runs)."""
+  held = (np.cumsum(schedule.op == opens, axis=0) - np.cumsum(schedule.op == closes, axis=0)
+          + (schedule.op == closes))
+  return [int(n) for n in held.max(axis=0)] if schedule.num_ticks else [0] * schedule.num_stages
 
 
 def to_text(schedule: Schedule) -> str:
-  """Rows are stages, columns ticks; cells F3, B1, F3B1, or F3.1 (mb.chunk)."""
+  """Rows are stages, columns ticks; cells F3, B1, W1, or F3.1 (mb.chunk)."""
   ticks = range(schedule.num_ticks)
-  cells = [[_cell(schedule, tick, stage) for tick in ticks]
-           for stage in range(schedule.num_stages)]
+  cells = [[_cell(schedule, tick, stage) for tick in ticks] for stage in range(schedule.num_stages)]
   width = max(len(cell) for row in cells for cell in row)
   header = " " * 4 + " ".join(f"{tick:<{width}}" for tick in ticks)
   rows = [f"s{stage:<3}" + " ".join(f"{cell:<{width}}" for cell in row)
@@ -546,29 +596,28 @@ def to_text(schedule: Schedule) -> str:
 
 
 def _cell(schedule: Schedule, tick: int, stage: int) -> str:
-  cell = ""
-  for kind, letter in (("fwd", "F"), ("bwd", "B")):
-    mb, v = _op(schedule, kind, tick, stage)
-    if mb >= 0:
-      cell += f"{letter}{mb}" + (f".{v}" if schedule.num_chunks > 1 else "")
-  return cell or "."
+  kind = int(schedule.op[tick, stage])
+  if kind == IDLE:
+    return "."
+  v = schedule.chunk[tick, stage]
+  return f"{OP_LETTERS[kind]}{schedule.mb[tick, stage]}" + (f".{v}" if schedule.num_chunks > 1 else "")
 
 
-def describe(schedule: Schedule, fwd_cost: float = 1.0,
-             bwd_cost: float = 1.0) -> dict:
-  """A JSON-ready summary of the schedule and its cost under the tick model."""
+def describe(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
+  """A JSON-ready summary of the schedule and its cost."""
+  p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
   return {
       "name": schedule.name,
-      "stages": schedule.num_stages,
-      "microbatches": schedule.num_microbatches,
-      "virtual_stages": schedule.num_chunks,
+      "stages": p,
+      "microbatches": m,
+      "virtual_stages": v,
       "ticks": schedule.num_ticks,
-      "fwd_cost": fwd_cost,
-      "bwd_cost": bwd_cost,
-      "bubble_fraction": bubble_fraction(schedule, fwd_cost, bwd_cost),
-      "ideal_bubble_fraction": ideal_bubble_fraction(
-          schedule.num_stages, schedule.num_microbatches, schedule.num_chunks),
+      "costs": {"F": costs[0], "B": costs[1], "W": costs[2]},
+      "bubble_fraction": bubble_fraction(schedule, costs),
+      "paper_bubble_fraction": paper_bubble_fraction(schedule.name, p, m, costs, v),
+      "ideal_bubble_fraction": ideal_bubble_fraction(p, m, v),
+      "tick_bubble_fraction": float((schedule.op == IDLE).mean()),
       "peak_in_flight": peak_in_flight(schedule),
-      "stash_slots": schedule.act_slots_per_stage,
-      "grad_slots": schedule.num_grad_slots,
+      "peak_awaiting_w": peak_awaiting_w(schedule),
+      "slots": {buffer: schedule.slots_per_stage(buffer) for buffer in BUFFERS},
   }

@@ -1,0 +1,169 @@
+"""A function's backward split into B (input gradient) and W (weight gradient).
+
+Zero-bubble pipelines (Qi et al. 2023) run the two halves of a backward at
+different times: B carries the gradient to the previous stage at once, W adds
+up the weight gradients whenever the stage is idle. `split_vjp` builds three
+functions from one `f(params, x, aux) -> y` by cutting jaxprs:
+
+  forward(params, x, aux) -> (y, stash)       residuals that depend on x
+  backward_input(params, aux, stash, dy) -> (dx, cut)
+  backward_weight(params, aux, stash, cut) -> dparams
+
+The residuals are `jax.vjp`'s own (its backward is a pytree whose leaves are
+the residual arrays), so a `jax.checkpoint` policy on `f` decides what the
+stash holds. Residuals computed from `params` and `aux` alone (cast or
+concatenated weights, rotary tables) are not stashed: both halves recompute
+them. `cut` holds the values W needs that B computes anyway (the gradients at
+the weights' matmul outputs), so together B and W do the work of one
+backward: no operation of the backward runs in both.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+# Call-like primitives whose bodies are inlined, so that the cut can go
+# through them (a jitted einsum's transpose computes dx and dw in one call).
+_INLINED = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitVjp:
+  forward: Callable[[Any, jax.Array, Any], tuple[jax.Array, list[jax.Array]]]
+  backward_input: Callable[[Any, Any, list[jax.Array], jax.Array],
+                           tuple[jax.Array, list[jax.Array]]]
+  backward_weight: Callable[[Any, Any, list[jax.Array], list[jax.Array]], Any]
+  stash: list[jax.ShapeDtypeStruct]  # shapes of one call's stash
+  cut: list[jax.ShapeDtypeStruct]    # and of its cut
+
+
+def _inline(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+  """The same computation with the call-like primitives' bodies inlined."""
+  def run(jaxpr: core.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
+    env: dict[core.Var, Any] = {}
+    read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+      values = [read(v) for v in eqn.invars]
+      if eqn.primitive.name == "optimization_barrier":  # remat's; B and W are apart anyway
+        outs = values
+      elif eqn.primitive.name in _INLINED:
+        inner = eqn.params["jaxpr"]
+        if isinstance(inner, core.ClosedJaxpr):
+          outs = run(inner.jaxpr, inner.consts, *values)
+        else:
+          outs = run(inner, (), *values)
+      else:
+        with eqn.ctx.manager:
+          outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  avals = [v.aval for v in closed.jaxpr.invars]
+  return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(
+      *avals)
+
+
+def _depends_on(jaxpr: core.Jaxpr, sources: Sequence[bool]) -> list[bool]:
+  """For each output, whether it depends on an input marked in `sources`."""
+  tainted = {v for v, s in zip(jaxpr.invars, sources) if s}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, core.Var) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return [isinstance(v, core.Var) and v in tainted for v in jaxpr.outvars]
+
+
+def _sub_jaxpr(jaxpr: core.Jaxpr, invars, outvars, eqns) -> core.Jaxpr:
+  debug_info = jaxpr.debug_info._replace(arg_names=None, result_paths=None)
+  return core.Jaxpr(jaxpr.constvars, list(invars), list(outvars), list(eqns),
+                    jaxpr.effects, debug_info)
+
+
+def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
+              x: jax.Array, aux: Any) -> SplitVjp:
+  """Splits the vjp of `f` at these (abstract or concrete) arguments.
+
+  Traced where it will run (inside a `shard_map`, under the sharding rules
+  the model uses), since the jaxprs capture the shapes and constraints.
+  """
+  params_leaves, params_tree = jax.tree.flatten(params)
+  aux_leaves, aux_tree = jax.tree.flatten(aux)
+  n_params, n_aux = len(params_leaves), len(aux_leaves)
+  structure = {}
+
+  def vjp_leaves(p_leaves, x, a_leaves):
+    p = jax.tree.unflatten(params_tree, p_leaves)
+    a = jax.tree.unflatten(aux_tree, a_leaves)
+    y, vjp = jax.vjp(lambda p, x: f(p, x, a), p, x)
+    residuals, structure["vjp"] = jax.tree.flatten(vjp)
+    return [y, *residuals]
+
+  fwd = jax.make_jaxpr(vjp_leaves)(params_leaves, x, aux_leaves)
+  fwd_jaxpr = fwd.jaxpr
+  # Inputs are [params..., x, aux...]; a residual is stashed if it needs x.
+  from_x = _depends_on(fwd_jaxpr, [False] * n_params + [True] + [False] * n_aux)
+  stashed = from_x[1:]
+  y_aval = fwd_jaxpr.outvars[0].aval
+  recompute_jaxpr, recompute_inputs = pe.dce_jaxpr(
+      fwd_jaxpr, [False] + [not s for s in stashed], instantiate=True)
+  recompute = core.jaxpr_as_fun(core.ClosedJaxpr(recompute_jaxpr, fwd.consts))
+
+  residual_avals = [v.aval for v in fwd_jaxpr.outvars[1:]]
+  bwd = _inline(jax.make_jaxpr(
+      lambda res, dy: jax.tree.leaves(jax.tree.unflatten(structure["vjp"], res)(dy)))(
+          residual_avals, y_aval))
+  bwd_jaxpr = bwd.jaxpr
+  *residual_vars, dy_var = bwd_jaxpr.invars
+  # Outputs are [dparams..., dx]: B keeps what dx needs; W runs the rest of
+  # what dparams needs, reading the values B made (and dy) from the cut.
+  b_jaxpr, _ = pe.dce_jaxpr(bwd_jaxpr, [False] * n_params + [True], instantiate=True)
+  w_all, _ = pe.dce_jaxpr(bwd_jaxpr, [True] * n_params + [False], instantiate=True)
+  in_b = {id(e) for e in b_jaxpr.eqns}
+  w_eqns = [e for e in w_all.eqns if id(e) not in in_b]
+  defined_by_b = {v for e in b_jaxpr.eqns for v in e.outvars} | {dy_var}
+  defined_by_w = {v for e in w_eqns for v in e.outvars}
+  needed = [v for e in w_eqns for v in e.invars] + list(w_all.outvars)
+  cut = list(dict.fromkeys(v for v in needed if isinstance(v, core.Var)
+                           and v in defined_by_b and v not in defined_by_w))
+  b_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
+      _sub_jaxpr(bwd_jaxpr, bwd_jaxpr.invars, [*b_jaxpr.outvars, *cut], b_jaxpr.eqns),
+      bwd.consts))
+  w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
+      _sub_jaxpr(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
+  x_aval = fwd_jaxpr.invars[n_params].aval
+
+  def residuals(params, aux, stash):
+    """The vjp's residuals: stashed ones and ones recomputed from params, aux."""
+    # x is an input the recomputation never reads (dce keeps it in place).
+    x_unused = jax.numpy.zeros(x_aval.shape, x_aval.dtype)
+    if getattr(x_aval, "vma", None):
+      x_unused = jax.lax.pcast(x_unused, tuple(x_aval.vma), to="varying")
+    args = [*jax.tree.leaves(params), x_unused, *jax.tree.leaves(aux)]
+    recomputed = iter(recompute(*(a for a, u in zip(args, recompute_inputs) if u)))
+    stash = iter(stash)
+    return [next(stash) if s else next(recomputed) for s in stashed]
+
+  def forward(params, x, aux):
+    y, *res = core.jaxpr_as_fun(fwd)(*jax.tree.leaves(params), x, *jax.tree.leaves(aux))
+    return y, [r for r, s in zip(res, stashed) if s]
+
+  def backward_input(params, aux, stash, dy):
+    dx, *cut_values = b_fn(*residuals(params, aux, stash), dy)
+    return dx, cut_values
+
+  def backward_weight(params, aux, stash, cut_values):
+    return jax.tree.unflatten(params_tree, w_fn(*residuals(params, aux, stash), *cut_values))
+
+  return SplitVjp(forward, backward_input, backward_weight,
+                  stash=[_struct(a) for a, s in zip(residual_avals, stashed) if s],
+                  cut=[_struct(v.aval) for v in cut])
+
+
+def _struct(aval) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
