@@ -22,6 +22,7 @@ and batches do not depend on the number of processes, so one position restores
 in any number of processes.
 """
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -68,22 +69,34 @@ class Checkpoints:
     path = self.directory / str(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract_state, shardings)
-    try:
+    with self._reading(step):
       mismatch = _mismatch(self._manager.item_metadata(step)["state"].tree, target,
-                           saved_config=self._read_config(step), cfg=cfg)
+                           saved_config=self.saved_config(step), cfg=cfg)
       restored = None if mismatch else self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-    except Exception as error:  # orbax and tensorstore raise many kinds on bad files
-      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-      raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
-                        "remove that step directory to resume from the one before") from None
     if mismatch:
       raise ConfigError(self.config_key, f"checkpoint {path} does not fit this config: {mismatch}")
     data_iterator.set_state(restored["data"])
     return restored["state"]
 
-  def _read_config(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  def saved_config(self, step: int) -> dict:
+    """The resolved config that `step` was saved with."""
+    with self._reading(step):
+      return self._manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore()))["config"]
+
+  @contextlib.contextmanager
+  def _reading(self, step: int):
+    """A checkpoint that cannot be read is one line naming it."""
+    try:
+      yield
+    except ConfigError:
+      raise
+    except Exception as error:  # orbax and tensorstore raise many kinds on bad files
+      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+      raise ConfigError(self.config_key, f"checkpoint {self.directory / str(step)} cannot be read "
+                        f"({reason}); remove that step directory to resume from the one before"
+                        ) from None
 
   def wait(self) -> None:
     """Blocks until the saves in flight are on disk."""
