@@ -5,6 +5,7 @@
 """
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from ml_collections import config_flags
 import meshtrain.config
 from meshtrain import distributed, launch, validate
 from meshtrain.analysis.plan import format_plan, plan
-from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.checkpoint import storage_error
+from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 
@@ -115,7 +117,11 @@ def schedule_command(argv: list[str]) -> None:
     raise ConfigError("--schedule/--stages/--microbatches/--virtual", str(error)) from None
   summary = schedules.describe(table, 1.0, _BACKWARD_COST.value)
   if _OUT.value:
-    draw.draw_gantt(table, _OUT.value, 1.0, _BACKWARD_COST.value)
+    try:
+      draw.draw_gantt(table, _OUT.value, 1.0, _BACKWARD_COST.value)
+    except OSError as error:
+      raise ConfigError("--out", f"cannot write {_OUT.value} ({error.strerror or error}); "
+                        "write the chart elsewhere") from None
     summary["chart"] = _OUT.value
   if _JSON.value:
     print(json.dumps(summary, indent=2))
@@ -165,16 +171,25 @@ def _guarded(command):
   def main(argv):
     try:
       command(argv)
+    except StorageError as error:
+      _fail(error, at_once=True)
     except ConfigError as error:
       _fail(error)
     except TrainingHalted as error:
       print(f"stopped: {error}", file=sys.stderr)
       sys.exit(3)
+    except OSError as error:  # the disk, mid-run: full, read-only or removed under the run
+      workdir = Path(_CONFIG.value.workdir)
+      _fail(storage_error("config.workdir", f"writing into {workdir}", error.strerror or str(error),
+                          workdir / "checkpoints"), at_once=True)
   return main
 
 
-def _fail(error: ConfigError) -> NoReturn:
-  print(f"error: {error}", file=sys.stderr)
+def _fail(error: ConfigError, at_once: bool = False) -> NoReturn:
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  if at_once:  # a failed disk: skip exit-time cleanups that would fail on it too
+    sys.stdout.flush()
+    os._exit(2)
   sys.exit(2)
 
 
