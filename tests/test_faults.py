@@ -1,12 +1,14 @@
-"""Filesystem faults on a real small disk: a tmpfs mounted in a private mount
-namespace (`unshare -rm`, no root needed), read-only, then full during a save,
-then given room again."""
+"""Filesystem and process faults: a real small disk (a tmpfs mounted in a
+private mount namespace with `unshare -rm`, no root needed) read-only, then full
+during a save, then given room again; a metrics line cut short by a kill."""
 
+import json
 import shlex
 import subprocess
 import sys
 
 from conftest import micro_flags
+from meshtrain.train.metrics import MetricsWriter
 
 FLAGS = micro_flags(steps=6, **{"checkpoint.every_steps": 1, "checkpoint.keep": 0,
                                 "simulate_devices": 1, "mesh.data": 1})
@@ -52,3 +54,10 @@ def test_read_only_and_full_disk_are_one_line_and_the_last_checkpoint_resumes(tm
       read["again.out"]
   assert "done: step 6" in read["again.out"]
   assert read["again.ls"].split() == [str(step) for step in range(1, 7)]  # leftover removed
+
+
+def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
+  records = [json.dumps({"step": step, "loss": 1.0 / step}) for step in (1, 2, 3)]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 4, "lo')
+  MetricsWriter(tmp_path, resumed_step=2).close()  # a resume from the checkpoint at step 2
+  assert (tmp_path / "metrics.jsonl").read_text() == records[0] + "\n" + records[1] + "\n"
