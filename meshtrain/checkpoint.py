@@ -22,6 +22,10 @@ and batches do not depend on the number of processes, so one position restores
 in any number of processes.
 """
 
+import contextlib
+import logging
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,32 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, StorageError
+
+
+def storage_error(key: str, what: str, reason: str, directory: Path) -> StorageError:
+  """`what` failed for `reason`, naming the newest complete checkpoint in `directory`."""
+  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+  intact = (f"step {steps[-1]} in {directory / str(steps[-1])} is the newest complete checkpoint"
+            if steps else "no checkpoint was completed")
+  return StorageError(key, f"{what} failed ({reason}); {intact}. Free space or fix the folder, "
+                      "then rerun to resume")
+
+
+def _not_an_orbax_error(record: logging.LogRecord) -> bool:
+  """orbax logs a failed save from each of its threads; `Checkpoints` reports it once."""
+  return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _without_closed_loop_noise(hook):
+  """After one write of a save fails, orbax closes its event loop while
+  tensorstore's other writes still call back into it, and each prints
+  `RuntimeError: Event loop is closed`; the failure itself is reported once."""
+  def excepthook(kind, value, traceback):
+    if not (kind is RuntimeError and "Event loop is closed" in str(value)):
+      hook(kind, value, traceback)
+  excepthook.quiet = True
+  return excepthook
 
 
 class Checkpoints:
@@ -39,6 +68,10 @@ class Checkpoints:
     """`config_key` names the setting that chose `directory`, for error messages."""
     self.directory = Path(directory).absolute()
     self.config_key = config_key
+    self._failed = False
+    logging.getLogger("absl").addFilter(_not_an_orbax_error)  # once: the same function
+    if not getattr(sys.excepthook, "quiet", False):
+      sys.excepthook = _without_closed_loop_noise(sys.excepthook)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, read_only=read_only, create=not read_only,
         cleanup_tmp_directories=not read_only)
@@ -53,10 +86,11 @@ class Checkpoints:
     """Starts an async save of `step`; False when that step is already saved."""
     if step in self._manager.all_steps():
       return False
-    return self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_iterator.get_state()),
-        config=ocp.args.JsonSave(cfg.to_dict())), force=True)
+    with self._writing():
+      return self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=ocp.args.JsonSave(data_iterator.get_state()),
+          config=ocp.args.JsonSave(cfg.to_dict())), force=True)
 
   def restore(self, step: int, shardings, abstract_state, data_iterator: grain.DatasetIterator,
               cfg):
@@ -68,29 +102,65 @@ class Checkpoints:
     path = self.directory / str(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract_state, shardings)
-    try:
+    with self._reading(step):
       mismatch = _mismatch(self._manager.item_metadata(step)["state"].tree, target,
-                           saved_config=self._read_config(step), cfg=cfg)
+                           saved_config=self.saved_config(step), cfg=cfg)
       restored = None if mismatch else self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-    except Exception as error:  # orbax and tensorstore raise many kinds on bad files
-      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-      raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
-                        "remove that step directory to resume from the one before") from None
     if mismatch:
       raise ConfigError(self.config_key, f"checkpoint {path} does not fit this config: {mismatch}")
     data_iterator.set_state(restored["data"])
     return restored["state"]
 
-  def _read_config(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  def saved_config(self, step: int) -> dict:
+    """The resolved config that `step` was saved with."""
+    with self._reading(step):
+      return self._manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore()))["config"]
+
+  @contextlib.contextmanager
+  def _reading(self, step: int):
+    """A checkpoint that cannot be read is one line naming it."""
+    try:
+      yield
+    except ConfigError:
+      raise
+    except Exception as error:  # orbax and tensorstore raise many kinds on bad files
+      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+      raise ConfigError(self.config_key, f"checkpoint {self.directory / str(step)} cannot be read "
+                        f"({reason}); remove that step directory to resume from the one before"
+                        ) from None
 
   def wait(self) -> None:
     """Blocks until the saves in flight are on disk."""
-    self._manager.wait_until_finished()
+    with self._writing():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.close()
+    """Waits for the saves in flight; after a failed save, only stops orbax."""
+    if self._failed:
+      with contextlib.suppress(Exception):
+        self._manager.close()
+      return
+    with self._writing():
+      self._manager.close()
+
+  @contextlib.contextmanager
+  def _writing(self):
+    """A save that fails (a full disk, a read-only or vanished folder; orbax
+    reports it at the next save or wait) is one line. orbax renames a step's
+    temporary folder only once it is complete, so the newest complete step stays
+    the one a rerun resumes from; the next run removes the leftover."""
+    try:
+      yield
+    except Exception as error:  # orbax and tensorstore raise many kinds for an OS error
+      self._failed = True
+      message = str(error)
+      known = re.search(r"No space left on device|Read-only file system|Permission denied|"
+                        r"Disk quota exceeded|No such file or directory", message)
+      reason = known.group(0) if known else (message.strip().splitlines() or [repr(error)])[0]
+      raise storage_error(self.config_key, f"saving a checkpoint into {self.directory}", reason,
+                          self.directory) from None
 
 
 def _mismatch(saved_tree: Any, target, *, saved_config: dict, cfg) -> str | None:

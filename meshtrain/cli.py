@@ -5,30 +5,38 @@
 """
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, generate, launch, workdir as saved_run
+from meshtrain import distributed, generate, launch, validate, workdir as saved_run
 from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import prepare
-from meshtrain.errors import ConfigError, TrainingHalted
+from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.evaluate import evaluate_checkpoint
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, schedule as schedules
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 
+# The args ml_collections reads the --config.KEY overrides from: this command's
+# own, set by `_parse_flags` (not sys.argv, which holds launch's command after --
+# and is read at import when --config is not named).
+_OVERRIDE_ARGV: list[str] = []
 _CONFIG = config_flags.DEFINE_config_file(
     "config", default=meshtrain.config.__file__,
     help_string="A config file with get_config(); `file.py:arg` passes arg. "
                 "Override any key with --config.KEY=VALUE.",
-    lock_config=True)
+    lock_config=True, sys_argv=_OVERRIDE_ARGV)
 _JSON = flags.DEFINE_bool("json", False, "plan: print JSON instead of tables; generate: one "
                             "JSON object per prompt")
 _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and read its memory "
@@ -86,12 +94,29 @@ def _use_simulated_devices(cfg) -> None:
     jax.config.update("jax_num_cpu_devices", cfg.simulate_devices)
 
 
+def checked_config(writes_workdir: bool = False):
+  """`--config` after `validate.check_config` (and `check_workdir` for a command that writes)."""
+  cfg = _CONFIG.value
+  validate.check_config(cfg)
+  if writes_workdir:
+    validate.check_workdir(cfg)
+  return cfg
+
+
+def joined_config(writes_workdir: bool = False):
+  """The checked config of a command that runs on devices: simulated devices set
+  up, the job joined, and the config checked against the devices present."""
+  cfg = checked_config(writes_workdir)
+  _use_simulated_devices(cfg)
+  distributed.initialize(cfg.distributed)
+  validate.check_devices(cfg, jax.device_count(), jax.devices()[0].platform)
+  return cfg
+
+
 def train_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)  # keep the terminal to the progress bar
-  cfg = _CONFIG.value
-  _use_simulated_devices(cfg)
-  distributed.initialize(cfg.distributed)
+  cfg = joined_config(writes_workdir=True)
   records = train(cfg)
   if jax.process_index():
     return
@@ -105,11 +130,14 @@ def train_command(argv: list[str]) -> None:
 def plan_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  cfg = _CONFIG.value
+  cfg = checked_config()
+  if _DEVICES.value is not None and _DEVICES.value < 1:
+    raise ConfigError("--devices", f"is {_DEVICES.value}; give the number of devices to plan for")
   if _COMPILE.value and _DEVICES.value:
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
+  validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
   report = plan(cfg, devices, _COMPILE.value)
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
 
@@ -128,13 +156,20 @@ def _costs(text: str) -> tuple[float, float, float]:
 def schedule_command(argv: list[str]) -> None:
   del argv
   costs = _costs(_COSTS.value)
+  if _OUT.value and not Path(_OUT.value).absolute().parent.is_dir():
+    raise ConfigError("--out", f"folder {Path(_OUT.value).absolute().parent} does not exist; "
+                      "create it or write the chart elsewhere")
   try:
     table = schedules.build(_SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value)
   except ValueError as error:
     raise ConfigError("--schedule/--stages/--microbatches/--virtual", str(error)) from None
   summary = schedules.describe(table, costs)
   if _OUT.value:
-    draw.draw_gantt(table, _OUT.value, costs)
+    try:
+      draw.draw_gantt(table, _OUT.value, costs)
+    except OSError as error:
+      raise ConfigError("--out", f"cannot write {_OUT.value} ({error.strerror or error}); "
+                        "write the chart elsewhere") from None
     summary["chart"] = _OUT.value
   if _JSON.value:
     print(json.dumps(summary, indent=2))
@@ -175,9 +210,7 @@ def import_hf_command(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if not _FROM.value or not _TO.value:
     raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
-  cfg = _CONFIG.value
-  _use_simulated_devices(cfg)
-  distributed.initialize(cfg.distributed)
+  cfg = joined_config()
   workdir = importer.import_hf(cfg, _FROM.value, _TO.value)
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
@@ -190,9 +223,11 @@ def _saved_run():
     raise ConfigError("--workdir", "give the workdir of a run (or of import-hf)")
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   cfg = saved_run.load_config(_WORKDIR.value, overrides)
+  validate.check_config(cfg)
   step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
   _use_simulated_devices(cfg)
   distributed.initialize(cfg.distributed)
+  validate.check_devices(cfg, jax.device_count(), jax.devices()[0].platform)
   return cfg, step
 
 
@@ -256,7 +291,27 @@ def launch_command(argv: list[str]) -> None:
   if not command or command[0] not in COMMANDS or command[0] == "launch":
     raise ConfigError("launch", "give the command after --, e.g. "
                       "`meshtrain launch --num_processes 2 -- train --config configs/tiny.py`")
-  sys.exit(launch.launch(command, _NUM_PROCESSES.value, _DEVICES_PER_PROCESS.value))
+  num_processes, devices_per_process = _NUM_PROCESSES.value, _DEVICES_PER_PROCESS.value
+  if num_processes < 1:
+    raise ConfigError("--num_processes", f"is {num_processes}; start 1 or more processes")
+  if devices_per_process < 0:
+    raise ConfigError("--devices_per_process", f"is {devices_per_process}; give 0 (the config's "
+                      "simulate_devices) or a number of simulated CPU devices")
+  _check_launched(command, num_processes, devices_per_process)
+  sys.exit(launch.launch(command, num_processes, devices_per_process))
+
+
+def _check_launched(command: list[str], num_processes: int, devices_per_process: int) -> None:
+  """The launched command's flags and config, checked here once rather than
+  failing in every process after they have joined."""
+  argv = _with_config(command)
+  _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
+  cfg = checked_config(writes_workdir=argv[0] == "train")
+  cfg.distributed.update(num_processes=num_processes, process_id=0,
+                         coordinator_address="127.0.0.1:1")  # what launch passes each process
+  cfg.simulate_devices = devices_per_process or cfg.simulate_devices
+  if cfg.simulate_devices:
+    validate.check_devices(cfg, cfg.simulate_devices * num_processes)
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
@@ -269,23 +324,107 @@ def _guarded(command):
   def main(argv):
     try:
       command(argv)
+    except StorageError as error:
+      _fail(error, at_once=True)
     except ConfigError as error:
-      print(f"error: {error}", file=sys.stderr)
-      sys.exit(2)
+      _fail(error)
     except TrainingHalted as error:
       print(f"stopped: {error}", file=sys.stderr)
       sys.exit(3)
+    except OSError as error:  # the disk, mid-run: full, read-only or removed under the run
+      workdir = Path(_CONFIG.value.workdir)
+      _fail(storage_error("config.workdir", f"writing into {workdir}", error.strerror or str(error),
+                          workdir / "checkpoints"), at_once=True)
   return main
 
 
-def run() -> None:
-  """The `meshtrain` console script."""
-  if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+def _fail(error: ConfigError, at_once: bool = False) -> NoReturn:
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  if at_once:  # a failed disk: skip exit-time cleanups that would fail on it too
+    sys.stdout.flush()
+    os._exit(2)
+  sys.exit(2)
+
+
+def _flag_error(argv: list[str], error: Exception) -> ConfigError:
+  """A bad flag as the one-line error: absl and ml_collections raise many kinds."""
+  message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  if isinstance(error, flags.UnrecognizedFlagError):
+    return ConfigError(f"--{error.flagname}", f"is not a flag of this command ({message}); "
+                       "see --helpfull")
+  bad_value = re.match(r"flag --([\w.]+)=(.*?): (.*)", message)
+  if bad_value:
+    name, value, reason = bad_value.groups()
+    key = name if name.startswith("config.") else f"--{name}"
+    return ConfigError(key, f"{value!r} is not valid ({reason})")
+  if isinstance(error, OSError) or not _overrides(argv):
+    while error.__cause__ or error.__context__:  # ml_collections wraps the reason twice
+      error = error.__cause__ or error.__context__
+    message = str(error).strip().splitlines()[-1].strip() if str(error).strip() else message
+    return ConfigError("--config", f"cannot load the config ({message}); give a config file "
+                       "such as configs/tiny.py, or configs/NAME.py:MODEL for a strategy preset")
+  return ConfigError(f"config.{_overrides(argv)[-1]}", message)
+
+
+def _overrides(argv: list[str]) -> list[str]:
+  """The keys of the `--config.KEY=VALUE` flags in `argv`."""
+  return [arg.split("=", 1)[0].split(".", 1)[1] for arg in argv
+          if re.match(r"--?(no)?config\.", arg)]
+
+
+def _check_override_keys(argv: list[str]) -> None:
+  """Every `--config.KEY` names a key: "did you mean" over the whole tree, before
+  ml_collections raises a traceback on a typo."""
+  keys = validate.config_keys()
+  for key in _overrides(argv):
+    if key not in keys and key.startswith("no") and isinstance(keys.get(key[2:]), bool):
+      key = key[2:]  # --config.noKEY sets a boolean false
+    if key in keys:
+      continue
+    group = [k.rpartition(".")[2] for k in keys if k.startswith(key + ".")]
+    if group:
+      raise ConfigError(f"config.{key}", f"is a group of keys ({', '.join(group)}); set one of "
+                        f"them, e.g. --config.{key}.{group[0]}=...")
+    raise validate.unknown_key(key, keys)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with each bad flag reported as one `error:` line (exit 2)."""
+  own = argv[:argv.index("--")] if "--" in argv else argv  # after --: launch's command
+  _OVERRIDE_ARGV[:] = own
+  try:
+    _check_override_keys(own)
+    # In-process reruns start from the defaults, without the last run's override flags.
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)
+    flags.FLAGS.unparse_flags()
+    args = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # ml_collections reports a config file that failed to load here
+    return args
+  except ConfigError as error:
+    _fail(error)
+  except Exception as error:  # noqa: BLE001 - any parse failure is the user's input
+    _fail(_flag_error(argv, error))
+
+
+def _with_config(argv: list[str]) -> list[str]:
+  """`COMMAND --flags` with `--config` named (the default file when not given),
+  so ml_collections loads it while parsing the flags, overrides included."""
+  if any(re.match(r"--?config(=|$)", arg) for arg in argv):
+    return list(argv)
+  return [argv[0], f"--config={meshtrain.config.__file__}", *argv[1:]]
+
+
+def run(argv: list[str] | None = None) -> None:
+  """The `meshtrain` console script; `argv` (default sys.argv[1:]) starts with the command."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if not argv or argv[0] not in COMMANDS:
     print(f"usage: meshtrain {{{'|'.join(COMMANDS)}}} [--flags]   (--helpfull for flags)",
           file=sys.stderr)
     sys.exit(2)
-  name = sys.argv[1]
-  app.run(_guarded(COMMANDS[name]), argv=[f"meshtrain {name}", *sys.argv[2:]])
+  argv = _with_config(argv)
+  app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],
+          flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

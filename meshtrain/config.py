@@ -82,6 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
   c.checkpoint.keep = 3            # newest checkpoints kept (0: all)
   c.checkpoint.restore_from = ""   # start a new workdir from another run's checkpoints dir, or one step dir in it
+  c.checkpoint.allow_changes = False  # resume a workdir whose seed, batch, seq_len, data or model changed
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"   # synthetic | text | tokens (a `meshtrain prepare` directory)

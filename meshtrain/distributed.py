@@ -12,11 +12,9 @@ import jax
 from meshtrain.errors import ConfigError
 
 
-def initialize(dist_cfg) -> None:
-  """Joins the job before anything touches a device."""
+def check(dist_cfg) -> None:
+  """Raises ConfigError for settings that cannot start a job (run up front by `meshtrain.validate`)."""
   n = dist_cfg.num_processes
-  if n == 1:
-    return
   if n < 0:
     raise ConfigError("config.distributed.num_processes", f"is {n}; use 1, N > 1, or 0 to detect")
   if n > 1:
@@ -26,6 +24,16 @@ def initialize(dist_cfg) -> None:
     if not 0 <= dist_cfg.process_id < n:
       raise ConfigError("config.distributed.process_id",
                         f"is {dist_cfg.process_id}; give this process's id in 0..{n - 1}")
+  if dist_cfg.timeout_s <= 0:
+    raise ConfigError("config.distributed.timeout_s", f"is {dist_cfg.timeout_s}; use seconds > 0")
+
+
+def initialize(dist_cfg) -> None:
+  """Joins the job before anything touches a device."""
+  check(dist_cfg)
+  n = dist_cfg.num_processes
+  if n == 1:
+    return
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; GPUs use NCCL
   explicit = dict(coordinator_address=dist_cfg.coordinator_address, num_processes=n,
                   process_id=dist_cfg.process_id) if n > 1 else {}

@@ -9,6 +9,12 @@ class ConfigError(ValueError):
     self.key = key
 
 
+class StorageError(ConfigError):
+  """The disk failed under a running job (full, read-only, removed). The CLI prints
+  the one line and exits 2 at once, skipping the exit-time cleanups of libraries
+  (TensorBoard, orbax's writer threads) that would fail on the same disk."""
+
+
 class TrainingHalted(RuntimeError):
   """Training stopped on purpose with a saved state (config.nan_policy=stop); the CLI exits 3."""
 

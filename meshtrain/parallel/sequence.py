@@ -89,6 +89,17 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   n = mesh.shape[axis]
   if n == 1:
     return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+  check_split(strategy, num_heads, length, n, axis)
+  if strategy == "ring":
+    return _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis, zigzag=zigzag)
+  attention = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses}[strategy]
+  return attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis)
+
+
+def check_split(strategy: str, num_heads: int, length: int, n: int, axis: str = "sequence") -> None:
+  """Raises ValueError when `strategy` cannot split `num_heads` query heads and
+  `length` tokens over the `n` devices of `axis` (also run up front by
+  `meshtrain.validate`, before anything is compiled)."""
   if strategy == "ulysses" and num_heads % n:
     raise ValueError(
         f"ulysses splits the {num_heads} query heads over the {n} devices of mesh axis "
@@ -98,10 +109,6 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   if length % chunks:
     raise ValueError(f"strategy {strategy!r} on {n} devices needs the length ({length}) "
                      f"to be a multiple of {chunks}")
-  if strategy == "ring":
-    return _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis, zigzag=zigzag)
-  attention = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses}[strategy]
-  return attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis)
 
 
 def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):

@@ -15,8 +15,7 @@ class MetricsWriter:
     self.enabled = jax.process_index() == 0
     if self.enabled:
       path = workdir / "metrics.jsonl"
-      kept = [line for line in path.read_text().splitlines()
-              if json.loads(line)["step"] <= resumed_step] if resumed_step and path.exists() else []
+      kept = _records_up_to(path, resumed_step) if resumed_step and path.exists() else []
       path.write_text("".join(line + "\n" for line in kept))
       self._jsonl = open(path, "a")
       self._tensorboard = SummaryWriter(str(workdir / "tensorboard"))
@@ -34,3 +33,16 @@ class MetricsWriter:
     if self.enabled:
       self._jsonl.close()
       self._tensorboard.close()
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+  """The lines of `path` up to `step`; a line cut short by a kill mid-write is dropped."""
+  kept = []
+  for line in path.read_text(errors="replace").splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+      kept.append(line)
+  return kept

@@ -1,6 +1,7 @@
 """Where a run starts: its workdir's newest checkpoint, another run's, or a fresh init."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
       return importer.init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
     if step is None:
       return setup.init_state(), own or _own(cfg), "initialized"
+    if source is own and not cfg.checkpoint.allow_changes:
+      _check_unchanged(own, step, cfg)
     state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
   except Exception:
     for checkpoints in {own, source} - {None}:
@@ -54,6 +57,39 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
   if cfg.nan_policy == "stop":  # a stop's count would freeze the new run at once
     state = dataclasses.replace(state, nonfinite_steps=jnp.zeros_like(state.nonfinite_steps))
   return state, own or _own(cfg), f"resumed from {source.directory / str(step)}"
+
+
+# What an exact resume needs unchanged: the data stream (order, batches, windows)
+# and the model. Optimizer settings may change (say, a lower learning rate after
+# a non-finite stop).
+RESUME_KEYS = ("seed", "global_batch", "seq_len", "data", "tokenizer", "model")
+
+
+def resume_changes(saved: dict, cfg) -> list[str]:
+  """`key before -> after` for each RESUME_KEYS setting that differs from the
+  checkpoint's config (keys the checkpoint predates are not compared)."""
+  current = json.loads(json.dumps(cfg.to_dict()))  # as saved: tuples become lists
+  before, after = (_flat({k: config[k] for k in RESUME_KEYS if k in saved and k in current})
+                   for config in (saved, current))
+  return [f"{key} {before[key]!r} -> {after.get(key)!r}" for key in before
+          if before[key] != after.get(key)]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                else {f"{prefix}{key}": value})
+  return flat
+
+
+def _check_unchanged(own: Checkpoints, step: int, cfg) -> None:
+  changes = resume_changes(own.saved_config(step), cfg)
+  if changes:
+    raise ConfigError("config.workdir", f"resuming {own.directory / str(step)}, which was saved "
+                      f"with other settings that an exact resume needs: {', '.join(changes)}; "
+                      "set them back, use a new config.workdir, or set "
+                      "config.checkpoint.allow_changes=true")
 
 
 def _own(cfg) -> Checkpoints:

@@ -35,6 +35,10 @@ def _trim(spec: P) -> P:
   return P(*parts)
 
 
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
 def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype), tree)
 
@@ -52,7 +56,8 @@ class TrainStep:
     replaces the differentiation of `loss_fn` (the pipeline brings its own);
     `schedule` gives the logged learning rate.
 
-    A step whose loss or gradient norm is not finite changes nothing but
+    A step whose loss, gradient norm, new weights or new optimizer state are
+    not finite changes nothing but
     `nonfinite_steps`. Under `nan_policy="skip"` training goes on (`step`
     counts the dropped step); under "stop" the state stays frozen at the last
     good step from then on, so the loop can save it when it next looks.
@@ -109,12 +114,17 @@ class TrainStep:
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
       grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
       grad_norm = optax.tree.norm(grads)
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      healthy = finite if nan_policy == "skip" else finite & (state.nonfinite_steps == 0)
 
       def update(params, opt_state, grads):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
+      # The new weights and optimizer state must be finite too, whatever the cause
+      # (a NaN learning rate, an overflow): a reduction over the update, which XLA
+      # fuses with its arithmetic, so the branch below still writes it in place.
+      finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) &
+                _all_finite(update(state.params, state.opt_state, grads)))
+      healthy = finite if nan_policy == "skip" else finite & (state.nonfinite_steps == 0)
 
       def keep(params, opt_state, grads):
         return params, opt_state

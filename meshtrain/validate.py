@@ -1,0 +1,246 @@
+"""One check of the whole config, run by every command before anything is created.
+
+Three layers, each a table that a new key extends with one entry:
+
+- the key tree: every key must be one of `meshtrain.config.get_config()`'s
+  (a typo gets "did you mean" over the whole tree) with the type of its default;
+- `RULES`: the range or choices of one key's value;
+- `IGNORED`: a key set away from its default while another key's value makes
+  it do nothing, which is an error rather than a silent no-op.
+
+`check_devices` then runs the cross-key checks that the deep code makes again
+later (mesh x model x strategy x schedule x attention), by calling those same
+check functions on an abstract mesh, so the message is the one the deep check
+would give, only before anything is compiled or written.
+"""
+
+import difflib
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import AbstractMesh, AxisType
+
+import meshtrain.config
+from meshtrain import distributed
+from meshtrain.data import SOURCES
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import AXES, axis_sizes, host_split
+from meshtrain.parallel import sequence
+from meshtrain.train import setup
+
+Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
+
+
+def at_least(low) -> Rule:
+  return lambda value: None if value >= low else f"is {value!r}; use {low} or more"
+
+
+def above(low) -> Rule:
+  return lambda value: None if value > low else f"is {value!r}; use a value above {low}"
+
+
+def within(low, high, *, high_open: bool = False) -> Rule:
+  top = ")" if high_open else "]"
+  def rule(value):
+    inside = low <= value < high if high_open else low <= value <= high
+    return None if inside else f"is {value!r}; use a value in [{low}, {high}{top}"
+  return rule
+
+
+def one_of(choices) -> Rule:
+  return lambda value: (None if value in choices else
+                        f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def not_empty(value) -> str | None:
+  return None if str(value).strip() else "is empty; give a value"
+
+
+RULES: dict[str, Rule] = {
+    "seed": within(0, 2**32 - 1),
+    "workdir": not_empty,
+    "steps": at_least(1),
+    "global_batch": at_least(1),
+    "seq_len": at_least(1),
+    "grad_accum_steps": at_least(1),
+    "param_dtype": one_of(setup.DTYPES),
+    "compute_dtype": one_of(setup.DTYPES),
+    "remat": one_of(setup.REMAT),
+    "zero_stage": one_of(setup.r.ZERO_STAGES),
+    "simulate_devices": at_least(0),
+    "peak_flops": at_least(0),
+    "log_every": at_least(1),
+    "nan_policy": one_of(setup.NAN_POLICIES),
+    **{f"model.{name}": at_least(1) for name in (
+        "vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+        "mlp_dim")},
+    "model.rope_theta": above(0),
+    "model.norm_eps": above(0),
+    "attention.sequence_strategy": one_of(sequence.STRATEGIES),
+    "attention.implementation": one_of(setup.ATTENTION),
+    "pipeline.schedule": one_of(setup.schedules.SCHEDULE_NAMES),
+    "pipeline.microbatches": at_least(1),
+    "pipeline.virtual_stages": at_least(1),
+    "optimizer.learning_rate": above(0),
+    "optimizer.warmup_steps": at_least(0),
+    "optimizer.min_lr_ratio": within(0, 1),
+    "optimizer.b1": within(0, 1, high_open=True),
+    "optimizer.b2": within(0, 1, high_open=True),
+    "optimizer.eps": above(0),
+    "optimizer.weight_decay": at_least(0),
+    "optimizer.clip_norm": at_least(0),
+    "checkpoint.every_steps": at_least(0),
+    "checkpoint.keep": at_least(0),
+    "data.source": one_of(SOURCES),
+}
+
+# key -> (does another key's value make it do nothing?, why, and the fix).
+# `sizes` are the resolved mesh axis sizes; None before the device count is known.
+Ignored = Callable[[Any, Mapping[str, int] | None], bool]
+IGNORED: dict[str, tuple[Ignored, str]] = {
+    "data.path": (lambda c, sizes: c.data.source == "synthetic",
+                  "data.source=synthetic reads no file; set config.data.source=text"),
+    "distributed.process_id": (lambda c, sizes: c.distributed.num_processes in (0, 1),
+                               "it is used only with distributed.num_processes > 1"),
+    "distributed.coordinator_address": (lambda c, sizes: c.distributed.num_processes in (0, 1),
+                                        "it is used only with distributed.num_processes > 1"),
+    "attention.sequence_strategy": (lambda c, sizes: sizes and sizes["sequence"] == 1,
+                                    "mesh.sequence is 1, so no sequence strategy runs; "
+                                    "set config.mesh.sequence > 1"),
+    "tensor_sequence_parallel": (lambda c, sizes: sizes and sizes["tensor"] == 1,
+                                 "mesh.tensor is 1, so nothing is split; set config.mesh.tensor > 1"),
+    **{f"pipeline.{name}": (lambda c, sizes: sizes and sizes["pipeline"] == 1,
+                            "mesh.pipeline is 1, so no pipeline runs; set config.mesh.pipeline > 1")
+       for name in ("schedule", "microbatches", "virtual_stages")},
+}
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, Any]:
+  """Dotted key -> value for every leaf of a ConfigDict (or dict) tree."""
+  leaves = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping) or hasattr(value, "items"):
+      leaves.update(_leaves(value, f"{prefix}{key}."))
+    else:
+      leaves[f"{prefix}{key}"] = value
+  return leaves
+
+
+def unknown_key(key: str, known) -> ConfigError:
+  """`key` is not a config key: the error, with the closest known keys."""
+  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6) or difflib.get_close_matches(
+      key.rpartition(".")[2], [k.rpartition(".")[2] for k in known], n=1, cutoff=0.6)
+  if close and "." not in close[0]:  # matched on the last part: name the full key
+    close = [k for k in known if k.rpartition(".")[2] == close[0]][:1]
+  hint = f"; did you mean config.{close[0]}?" if close else "; see meshtrain/config.py for every key"
+  return ConfigError(f"config.{key}", f"is not a config key{hint}")
+
+
+def _type_problem(value, default) -> str | None:
+  if isinstance(default, bool):
+    ok, wanted = isinstance(value, bool), "true or false"
+  elif isinstance(default, int):
+    ok, wanted = isinstance(value, int) and not isinstance(value, bool), "an integer"
+  elif isinstance(default, float):
+    ok, wanted = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+  elif isinstance(default, str):
+    ok, wanted = isinstance(value, str), "a string"
+  else:
+    return None
+  if not ok:
+    return f"is {value!r} ({type(value).__name__}); give {wanted}"
+  if isinstance(value, float) and not math.isfinite(value):
+    return f"is {value!r}; give a finite number"
+  return None
+
+
+def check_config(cfg) -> None:
+  """Keys, types, ranges and keys made idle by others: everything that needs no device."""
+  defaults = config_keys()
+  values = _leaves(cfg)
+  for key in values:
+    if key not in defaults:
+      raise unknown_key(key, defaults)
+  for key in defaults:
+    if key not in values:
+      raise ConfigError(f"config.{key}", "is missing; start a config file from "
+                        "meshtrain.config.get_config() (or a preset in configs/)")
+  for key, value in values.items():
+    problem = _type_problem(value, defaults[key]) or (RULES[key](value) if key in RULES else None)
+    if problem:
+      raise ConfigError(f"config.{key}", problem)
+  _check_ignored(cfg, values, defaults, sizes=None)
+  distributed.check(cfg.distributed)
+  if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).is_file():
+    raise ConfigError("config.data.path", f"file '{cfg.data.path}' not found; point "
+                      "config.data.path at a UTF-8 text file")
+
+
+def _check_ignored(cfg, values, defaults, sizes) -> None:
+  for key, (idle, why) in IGNORED.items():
+    if key in values and values[key] != defaults[key] and idle(cfg, sizes):
+      raise ConfigError(f"config.{key}", f"is set to {values[key]!r} but ignored: {why}")
+
+
+def check_devices(cfg, num_devices: int, platform: str | None = None) -> None:
+  """The cross-key checks for `num_devices` devices, through the deep code's own
+  check functions; with `platform` (the devices the run will use), also what
+  those devices cannot run."""
+  sizes = axis_sizes(cfg.mesh, num_devices)
+  _check_ignored(cfg, _leaves(cfg), config_keys(), sizes)
+  across = [a.strip() for a in cfg.mesh.across_hosts.split(",") if a.strip()]
+  host_split(sizes, across, max(cfg.distributed.num_processes, 1))
+  mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+  setup.validate(cfg, mesh)
+  if sizes["sequence"] > 1:
+    try:
+      sequence.check_split(cfg.attention.sequence_strategy, cfg.model.num_heads, cfg.seq_len,
+                           sizes["sequence"])
+    except ValueError as error:
+      raise ConfigError("config.attention.sequence_strategy", str(error)) from None
+  _check_attention_kernel(cfg, platform)
+
+
+def _check_attention_kernel(cfg, platform: str | None) -> None:
+  """cuDNN's flash attention (jax.nn.dot_product_attention): NVIDIA GPUs, 16-bit
+  activations, head_dim a multiple of 8 up to 128."""
+  if cfg.attention.implementation != "cudnn":
+    return
+  key = "config.attention.implementation"
+  if platform is not None and platform != "gpu":
+    raise ConfigError(key, f"cudnn runs on NVIDIA GPUs, not on these {platform} devices; "
+                      "use xla (or \"\" for the best available)")
+  if cfg.compute_dtype == "float32":
+    raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
+                      "or use xla")
+  if cfg.model.head_dim % 8 or cfg.model.head_dim > 128:
+    raise ConfigError(key, f"cudnn needs head_dim a multiple of 8 up to 128, got "
+                      f"{cfg.model.head_dim}; use xla")
+
+
+def check_workdir(cfg) -> None:
+  """The workdir can be created and written: the nearest existing folder on its
+  path is a writable folder (a file there, or a read-only filesystem, is not)."""
+  workdir = Path(cfg.workdir).absolute()
+  existing = next(p for p in (workdir, *workdir.parents) if p.exists())
+  if not existing.is_dir():
+    raise ConfigError("config.workdir", f"{existing} is a file, not a folder; choose another "
+                      "config.workdir")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError("config.workdir", f"{existing} is not writable (read-only filesystem or "
+                      "no permission); choose a writable config.workdir")
+
+
+def check(cfg, num_devices: int | None = None, platform: str | None = None) -> None:
+  """`check_config`, then `check_devices` when the device count is known."""
+  check_config(cfg)
+  if num_devices is not None:
+    check_devices(cfg, num_devices, platform)
+
+
+def config_keys() -> dict[str, Any]:
+  """Every config key (dotted) with its default."""
+  return _leaves(meshtrain.config.get_config())

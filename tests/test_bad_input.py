@@ -1,0 +1,192 @@
+"""Bad input through the CLI (in-process, as `meshtrain COMMAND ...` parses it):
+each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
+traceback, and the workdir byte for byte as it was."""
+
+import hashlib
+import shutil
+
+import pytest
+
+from conftest import REPO, SHAKESPEARE, micro_config, micro_flags
+from meshtrain import cli
+from meshtrain.checkpoint import Checkpoints
+from meshtrain.data import make_iterator
+from meshtrain.train.setup import build
+
+PIPELINE = ["--config.mesh.data=4", "--config.mesh.pipeline=2"]
+CASES = [
+    # keys and types
+    ("train", ["--config.stepz=5"], "config.stepz"),
+    ("train", ["--config.mesh.dat=8"], "config.mesh.dat"),
+    ("train", ["--config.learning_rate=0.1"], "config.learning_rate"),
+    ("train", ["--config.optimizer.lr=0.1"], "config.optimizer.lr"),
+    ("train", ["--config.mesh=3"], "config.mesh"),
+    ("train", ["--config.nosteps"], "config.nosteps"),
+    ("train", ["--config.steps=abc"], "config.steps"),
+    ("train", ["--config.steps=1.5"], "config.steps"),
+    ("train", ["--config.model.tie_embeddings=maybe"], "config.model.tie_embeddings"),
+    ("train", ["--config.optimizer.b1=high"], "config.optimizer.b1"),
+    ("train", ["--config=no/such/config.py"], "--config"),
+    ("train", [f"--config={REPO}/configs/tp.py:nosuch"], "--config"),
+    ("train", ["--nosuchflag"], "--nosuchflag"),
+    ("train", ["--stages=abc"], "--stages"),
+    # ranges of one key
+    ("train", ["--config.steps=0"], "config.steps"),
+    ("train", ["--config.steps=-5"], "config.steps"),
+    ("train", ["--config.global_batch=0"], "config.global_batch"),
+    ("train", ["--config.seq_len=0"], "config.seq_len"),
+    ("train", ["--config.grad_accum_steps=0"], "config.grad_accum_steps"),
+    ("train", ["--config.log_every=0"], "config.log_every"),
+    ("train", ["--config.seed=-1"], "config.seed"),
+    ("train", ["--config.simulate_devices=-1"], "config.simulate_devices"),
+    ("train", ["--config.peak_flops=-1"], "config.peak_flops"),
+    ("train", ["--config.peak_flops=inf"], "config.peak_flops"),
+    ("train", ["--config.model.num_layers=0"], "config.model.num_layers"),
+    ("train", ["--config.model.vocab_size=0"], "config.model.vocab_size"),
+    ("train", ["--config.model.embed_dim=-1"], "config.model.embed_dim"),
+    ("train", ["--config.model.num_heads=0"], "config.model.num_heads"),
+    ("train", ["--config.model.rope_theta=0"], "config.model.rope_theta"),
+    ("train", ["--config.model.norm_eps=-1e-5"], "config.model.norm_eps"),
+    ("train", ["--config.optimizer.learning_rate=nan"], "config.optimizer.learning_rate"),
+    ("train", ["--config.optimizer.learning_rate=-0.001"], "config.optimizer.learning_rate"),
+    ("train", ["--config.optimizer.learning_rate=inf"], "config.optimizer.learning_rate"),
+    ("train", ["--config.optimizer.b1=1.0"], "config.optimizer.b1"),
+    ("train", ["--config.optimizer.b2=-0.1"], "config.optimizer.b2"),
+    ("train", ["--config.optimizer.eps=0"], "config.optimizer.eps"),
+    ("train", ["--config.optimizer.weight_decay=-0.1"], "config.optimizer.weight_decay"),
+    ("train", ["--config.optimizer.clip_norm=-1"], "config.optimizer.clip_norm"),
+    ("train", ["--config.optimizer.warmup_steps=-1"], "config.optimizer.warmup_steps"),
+    ("train", ["--config.optimizer.min_lr_ratio=2"], "config.optimizer.min_lr_ratio"),
+    ("train", ["--config.checkpoint.every_steps=-1"], "config.checkpoint.every_steps"),
+    ("train", ["--config.checkpoint.keep=-1"], "config.checkpoint.keep"),
+    ("train", ["--config.param_dtype=float64"], "config.param_dtype"),
+    ("train", ["--config.compute_dtype=fp16"], "config.compute_dtype"),
+    ("train", ["--config.remat=some"], "config.remat"),
+    ("train", ["--config.zero_stage=4"], "config.zero_stage"),
+    ("train", ["--config.nan_policy=ignore"], "config.nan_policy"),
+    ("train", ["--config.data.source=csv"], "config.data.source"),
+    ("train", ["--config.mesh.sequence=2", "--config.attention.sequence_strategy=zigzag"],
+     "config.attention.sequence_strategy"),
+    ("train", ["--config.attention.implementation=flash"], "config.attention.implementation"),
+    ("train", [*PIPELINE, "--config.pipeline.schedule=zb"], "config.pipeline.schedule"),
+    ("train", ["--config.distributed.num_processes=-1"], "config.distributed.num_processes"),
+    ("train", ["--config.distributed.num_processes=2"], "config.distributed.coordinator_address"),
+    ("train", ["--config.distributed.timeout_s=0"], "config.distributed.timeout_s"),
+    ("train", ["--config.workdir="], "config.workdir"),
+    # a key that another key's value makes do nothing
+    ("train", [f"--config.data.path={SHAKESPEARE}"], "config.data.path"),
+    ("train", ["--config.data.path=no/such/file.txt"], "config.data.path"),
+    ("train", ["--config.attention.sequence_strategy=ring"], "config.attention.sequence_strategy"),
+    ("train", ["--config.tensor_sequence_parallel=true"], "config.tensor_sequence_parallel"),
+    ("train", ["--config.pipeline.microbatches=8"], "config.pipeline.microbatches"),
+    ("train", ["--config.distributed.process_id=3"], "config.distributed.process_id"),
+    # across keys: mesh x model x strategy x schedule x attention x data
+    ("train", ["--config.data.source=text", "--config.data.path=no/such/file.txt"],
+     "config.data.path"),
+    ("train", ["--config.mesh.data=3"], "config.mesh"),
+    ("train", ["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "config.mesh.fsdp"),
+    ("train", ["--config.mesh.tensor=3"], "config.mesh.data"),
+    ("train", ["--config.mesh.data=0"], "config.mesh.data"),
+    ("train", ["--config.mesh.data=8", "--config.global_batch=12"], "config.global_batch"),
+    ("train", ["--config.mesh.data=8", "--config.grad_accum_steps=3"], "config.grad_accum_steps"),
+    ("train", ["--config.model.num_kv_heads=3"], "config.model.num_kv_heads"),
+    ("train", ["--config.model.head_dim=7"], "config.model.head_dim"),
+    ("train", ["--config.mesh.data=1", "--config.mesh.tensor=8"], "config.model.num_heads"),
+    ("train", ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.model.embed_dim=36"],
+     "config.model.embed_dim"),
+    ("train", ["--config.mesh.data=1", "--config.mesh.sequence=8",
+               "--config.attention.sequence_strategy=ulysses"], "config.attention.sequence_strategy"),
+    ("train", ["--config.mesh.data=1", "--config.mesh.sequence=8", "--config.seq_len=24",
+               "--config.attention.sequence_strategy=ring"], "config.attention.sequence_strategy"),
+    ("train", ["--config.mesh.data=1", "--config.mesh.sequence=8", "--config.seq_len=20"],
+     "config.seq_len"),
+    ("train", ["--config.attention.implementation=cudnn"], "config.attention.implementation"),
+    ("train", [*PIPELINE, "--config.model.num_layers=3"], "config.model.num_layers"),
+    ("train", [*PIPELINE, "--config.pipeline.microbatches=3"], "config.pipeline.microbatches"),
+    ("train", [*PIPELINE, "--config.grad_accum_steps=2"], "config.grad_accum_steps"),
+    ("train", [*PIPELINE, "--config.model.tie_embeddings=true"], "config.model.tie_embeddings"),
+    ("train", [*PIPELINE, "--config.model.num_layers=4", "--config.pipeline.virtual_stages=2"],
+     "config.pipeline.microbatches"),
+    ("train", ["--config.mesh.across_hosts=datum"], "config.mesh.across_hosts"),
+    # the workdir and checkpoints
+    ("train", ["--config.workdir={tmp}/a_file"], "config.workdir"),
+    ("train", ["--config.workdir={tmp}/a_file/run"], "config.workdir"),
+    ("train", ["--config.checkpoint.restore_from={tmp}/nowhere"], "config.checkpoint.restore_from"),
+    ("train", ["--config.workdir={run}", "--config.seed=1"], "config.workdir"),
+    ("train", ["--config.workdir={run}", "--config.global_batch=32"], "config.workdir"),
+    ("train", ["--config.workdir={run}", "--config.seq_len=32"], "config.workdir"),
+    ("train", ["--config.workdir={run}", "--config.model.num_layers=4"], "config.workdir"),
+    ("train", ["--config.workdir={run}", "--config.data.source=text",
+               f"--config.data.path={SHAKESPEARE}", "--config.model.vocab_size=256"],
+     "config.workdir"),
+    # the other commands
+    ("plan", ["--devices=0"], "--devices"),
+    ("plan", ["--devices=8", "--config.mesh.data=3"], "config.mesh"),
+    ("plan", ["--devices=8", "--config.mesh.data=1", "--config.mesh.sequence=8",
+              "--config.attention.sequence_strategy=ulysses"], "config.attention.sequence_strategy"),
+    ("plan", ["--config.attention.implementation=cudnn"], "config.attention.implementation"),
+    ("plan", ["--config.steps=0"], "config.steps"),
+    ("schedule", ["--stages=0"], "--schedule/--stages/--microbatches/--virtual"),
+    ("schedule", ["--schedule=zb"], "--schedule"),
+    ("schedule", ["--backward_cost=-1"], "--backward_cost"),
+    ("schedule", ["--out={tmp}/missing/chart.png"], "--out"),
+    ("launch", ["--num_processes=0", "--", "train"], "--num_processes"),
+    ("launch", ["--devices_per_process=-1", "--", "train"], "--devices_per_process"),
+    ("launch", ["--"], "launch"),
+    ("launch", ["--num_processes=2", "--", "train", "--config.stepz=1"], "config.stepz"),
+    ("launch", ["--num_processes=2", "--devices_per_process=4", "--", "train",
+                "--config.mesh.data=3"], "config.mesh"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A workdir with a checkpoint (step 0, the initial state: no step to compile)
+  saved under the config the cases start from."""
+  workdir = tmp_path_factory.mktemp("trained") / "run"
+  cfg = micro_config(workdir=str(workdir))
+  setup = build(cfg)
+  batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                          vocab_size=cfg.model.vocab_size, seed=cfg.seed)
+  checkpoints = Checkpoints(workdir / "checkpoints", config_key="test")
+  checkpoints.save(0, setup.init_state(), batches, cfg)
+  checkpoints.close()
+  return workdir
+
+
+def tree_digest(root) -> dict[str, str]:
+  """Relative path -> sha256 of each file (folders too), to compare a tree before and after."""
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file()
+          else "folder" for p in sorted(root.rglob("*"))}
+
+
+def meshtrain(command: str, args: list[str], capsys) -> tuple[int, str]:
+  """Runs `meshtrain COMMAND ARGS` in this process: exit code and stderr."""
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    cli.run([command, *args])
+  return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args, key", CASES,
+                         ids=[f"{c}-{' '.join(a).replace('--config.', '')}" for c, a, _ in CASES])
+def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp_path, capsys,
+                                                          request, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "a_file").write_text("not a folder")
+  run = tmp_path / "run"
+  if any("{run}" in arg for arg in args):
+    shutil.copytree(request.getfixturevalue("trained_run"), run)
+  args = [arg.format(tmp=tmp_path, run=run) for arg in args]
+  config_file = [arg for arg in args if arg.startswith("--config=")]
+  rest = [arg for arg in args if arg not in config_file]
+  if command in ("train", "plan"):
+    rest = [*micro_flags(workdir=run), *rest]
+  before = tree_digest(tmp_path)
+  code, stderr = meshtrain(command, [*config_file, *rest], capsys)
+  assert code == 2, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"error: {key}: "), stderr
+  assert "Traceback" not in stderr
+  assert tree_digest(tmp_path) == before
+
