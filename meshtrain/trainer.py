@@ -65,6 +65,15 @@ class Placement:
   optimizer: str
 
 
+def _kv_heads_split(spec: ModelSpec, tensor: int) -> bool:
+  """Whether `tensor` divides every dimension named kv_heads; where it does not,
+  each device keeps all key/value heads, as meshtrain's own model does."""
+  sizes = [size for names, x in zip(jax.tree.leaves(spec.names, is_leaf=lambda n: isinstance(n, tuple)),
+                                    jax.tree.leaves(spec.abstract_params))
+           for name, size in zip(names, x.shape) if name == r.KV_HEADS]
+  return all(size % tensor == 0 for size in sizes)
+
+
 class Trainer:
   """A model's sharded state and its compiled train step on one mesh."""
 
@@ -82,7 +91,9 @@ class Trainer:
     warns (`strict=True`: raises ConfigError).
     """
     self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
-    self.rules = r.with_names(r.strategy_rules(mesh, zero_stage), rules or {})
+    strategy = r.strategy_rules(mesh, zero_stage,
+                                split_kv_heads=_kv_heads_split(spec, mesh.shape["tensor"]))
+    self.rules = r.with_names(strategy, rules or {})
     r.check_layout(spec.abstract_params, spec.names, mesh, self.rules)
     axes = ("data",) * (zero_stage > 0) + WEIGHT_AXES
     self.replicated = r.replicated_share(spec.abstract_params, spec.names, mesh,
