@@ -2,6 +2,7 @@
 
   meshtrain train --config configs/tiny.py --config.steps=300 --config.mesh.data=8
   meshtrain launch --num_processes 2 --devices_per_process 4 -- train --config configs/tiny.py
+  meshtrain verify --config configs/fsdp.py:tiny --config.simulate_devices=8
 """
 
 import json
@@ -14,6 +15,7 @@ from ml_collections import config_flags
 
 import meshtrain.config
 from meshtrain import distributed, launch
+from meshtrain.analysis import selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.parallel.pipeline import draw, schedule as schedules
@@ -36,6 +38,7 @@ _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage 
 _BACKWARD_COST = flags.DEFINE_float("backward_cost", 2.0,
                                     "schedule: cost of a backward, a forward costing 1")
 _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here")
+_VERIFY_STEPS = flags.DEFINE_integer("verify_steps", 2, "verify: train steps to compare")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
@@ -98,6 +101,19 @@ def schedule_command(argv: list[str]) -> None:
     print(f"chart: {_OUT.value}")
 
 
+def verify_command(argv: list[str]) -> None:
+  """The config's sharded step against the same step unsharded under plain jit;
+  exits 1 when they differ by more than float32 reordering explains."""
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  cfg = _CONFIG.value
+  _use_simulated_devices(cfg)
+  report = selfcheck.verify_config(cfg, _VERIFY_STEPS.value)
+  print(report.format())
+  if not report.ok():
+    sys.exit(1)
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -107,7 +123,7 @@ def launch_command(argv: list[str]) -> None:
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
-            "launch": launch_command}
+            "launch": launch_command, "verify": verify_command}
 
 
 def _guarded(command):

@@ -29,6 +29,8 @@ import optax
 from flax import nnx
 
 from meshtrain import rules as r
+from meshtrain.data import make_iterator
+from meshtrain.train.setup import build
 from meshtrain.train.state import ModelSpec, TrainState, init_state
 from meshtrain.train.step import TrainStep
 
@@ -154,3 +156,16 @@ def verify(spec: ModelSpec, optimizer: optax.GradientTransformation, step: Train
                                                  jax.tree.leaves(params),
                                                  jax.tree.leaves(ref_params))]
   return Report(list(zip(losses, ref_losses)), paths)
+
+
+def verify_config(cfg, steps: int = 2) -> Report:
+  """`meshtrain verify`: the config's model, mesh and strategy on the first
+  batch of its data, in float32 (a bfloat16 config is checked as float32), with
+  no warmup so that the first step moves the weights."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.param_dtype = cfg.compute_dtype = "float32"
+  cfg.optimizer.warmup_steps = 0
+  setup = build(cfg)
+  batch = next(make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                             vocab_size=cfg.model.vocab_size, seed=cfg.seed))
+  return verify(setup.spec, setup.optimizer, setup.train_step, setup.shardings, batch, steps)
