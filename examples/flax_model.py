@@ -82,8 +82,7 @@ def main(steps: int = 20):
   mesh = meshtrain.make_mesh({"fsdp": 4, "tensor": 2})
   trainer = meshtrain.Trainer.for_nnx(new_model, loss_fn, optax.adamw(3e-3), mesh,
                                       patterns=meshtrain.FLAX_TRANSFORMER)
-  for path, shape, spec in trainer.placement():
-    print(f"{path:32} {str(shape):16} {spec}")
+  print(trainer.placement_table())
   state = trainer.init()
   losses = []
   for step, batch in zip(range(1, steps + 1), text_batches()):

@@ -2,6 +2,7 @@
 
   meshtrain train --config configs/tiny.py --config.steps=300 --config.mesh.data=8
   meshtrain launch --num_processes 2 --devices_per_process 4 -- train --config configs/tiny.py
+  meshtrain verify --config configs/fsdp.py:tiny --config.simulate_devices=8
 """
 
 import json
@@ -17,6 +18,7 @@ from ml_collections import config_flags
 
 import meshtrain.config
 from meshtrain import distributed, generate, launch, validate, workdir as saved_run
+from meshtrain.analysis import selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
@@ -65,6 +67,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate: the 
                                "saved config; --config.KEY=VALUE flags change it, e.g. the mesh)")
 _STEP = flags.DEFINE_integer("step", None, "eval, export-hf, generate: the checkpoint "
                              "step (default: the newest)")
+_VERIFY_STEPS = flags.DEFINE_integer("verify_steps", 2, "verify: train steps to compare")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
@@ -286,6 +289,18 @@ def generate_command(argv: list[str]) -> None:
       print(f"{text}{completion}\n")
 
 
+def verify_command(argv: list[str]) -> None:
+  """The config's sharded step against the same step unsharded under plain jit;
+  exits 1 when they differ by more than float32 reordering explains."""
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  cfg = joined_config()
+  report = selfcheck.verify_config(cfg, _VERIFY_STEPS.value)
+  print(report.format())
+  if not report.ok():
+    sys.exit(1)
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -317,7 +332,8 @@ def _check_launched(command: list[str], num_processes: int, devices_per_process:
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
             "launch": launch_command, "prepare": prepare_command,
             "eval": eval_command, "import-hf": import_hf_command,
-            "export-hf": export_hf_command, "generate": generate_command}
+            "export-hf": export_hf_command, "generate": generate_command,
+            "verify": verify_command}
 
 
 def _guarded(command):

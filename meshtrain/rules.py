@@ -2,7 +2,8 @@
 
 Model code names logical axes only. A parallelism strategy is a rules table:
 logical name -> mesh axes. Composing strategies concatenates their tables per
-name, in mesh-axis order. A logical name with no rule is replicated.
+name, in mesh-axis order. A logical name with no rule is replicated, except a
+mesh axis's own name (`P('tensor', 'fsdp')` annotations), which means that axis.
 
 Parameters and activations use different names where their placement differs:
 under `fsdp` a weight's `embed` dimension is sharded, an activation's
@@ -11,12 +12,14 @@ under `fsdp` a weight's `embed` dimension is sharded, an activation's
 
 from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
+import math
 
 import flax.core.spmd
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -29,6 +32,10 @@ VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM = (
 BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB = (
     "batch", "length", "res_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
     "act_vocab")
+WEIGHT_NAMES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM)
+ACTIVATION_NAMES = (BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP,
+                    ACT_VOCAB)
+LOGICAL_NAMES = WEIGHT_NAMES + ACTIVATION_NAMES
 
 # What each mesh axis shards, as its own rules table.
 AXIS_RULES: Mapping[str, Mapping[str, str]] = {
@@ -92,19 +99,56 @@ def strategy_rules(mesh: Mesh, zero_stage: int = 0, *, tensor_sequence_parallel:
                        optimizer=zero)
 
 
+def with_names(strategy: ShardingRules, extra: Mapping) -> ShardingRules:
+  """The strategy's tables with a model's own logical names added.
+
+  `{"kv": "head_dim"}` gives a foreign name the rule of a meshtrain name in each
+  table (so ZeRO stages still apply to it), `{"hidden": "tensor"}` or
+  `("fsdp", "tensor")` names mesh axes directly, `None` keeps it whole. A name
+  given here replaces the strategy's rule of that name.
+  """
+  targets = {name: (t,) if t is None or isinstance(t, str) else tuple(t) for name, t in extra.items()}
+  for name, names in targets.items():
+    bad = [t for t in names if t is not None and t not in AXES and t not in LOGICAL_NAMES]
+    if bad:
+      raise ConfigError(f"rules[{name!r}]",
+                        f"{bad[0]!r} is neither a mesh axis ({', '.join(AXES)}) nor a "
+                        f"meshtrain logical name ({', '.join(LOGICAL_NAMES)})")
+
+  def apply(table: Rules) -> Rules:
+    base = dict(table)
+    merged = {name: axes for name, axes in base.items() if name not in targets}
+    for name, names in targets.items():
+      axes = [a for t in names if t is not None for a in (base.get(t, ()) if t in LOGICAL_NAMES else (t,))]
+      merged[name] = tuple(sorted(dict.fromkeys(axes), key=AXES.index))
+    return tuple(merged.items())
+
+  return ShardingRules(apply(strategy.params), apply(strategy.grads), apply(strategy.optimizer))
+
+
 def without_axis(rules: Rules, axis: str) -> Rules:
   """The same table with one mesh axis taken out (for code that maps over it)."""
   return tuple((name, tuple(a for a in axes if a != axis)) for name, axes in rules)
 
 
-def logical_to_spec(names: Iterable[str | None], rules: Rules) -> PartitionSpec:
+def _axes_of(name, table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+  """The mesh axes of one dimension's annotation: a logical name, a mesh axis
+  name with no rule of its own, or a tuple of either (`P(('data', 'fsdp'))`)."""
+  if name is None:
+    return ()
+  if isinstance(name, tuple):
+    return tuple(a for part in name for a in _axes_of(part, table))
+  return table.get(name, (name,) if name in AXES else ())
+
+
+def logical_to_spec(names: Iterable, rules: Rules) -> PartitionSpec:
   """PartitionSpec for logical names; a name without a rule is replicated, and a
   mesh axis is used at most once (by the first dimension that asks for it)."""
   table = dict(rules)
   taken: set[str] = set()
   spec = []
   for name in names:
-    axes = tuple(a for a in table.get(name, ()) if a not in taken)
+    axes = tuple(dict.fromkeys(a for a in _axes_of(name, table) if a not in taken))
     taken.update(axes)
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*spec)
@@ -139,19 +183,60 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
-def replicated_share(abstract_params, names_tree, mesh: Mesh, rules: Rules) -> dict[str, float]:
-  """For each sharding mesh axis larger than one (all but `data`), the share of
-  parameter bytes that are not split over it: a check that the rules cover the
-  model (a large share under `fsdp` means weights are held whole)."""
+def _flat_names(names_tree):
+  return jax.tree_util.tree_flatten_with_path(names_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+
+
+def _where(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def check_layout(abstract_params, names_tree, mesh: Mesh, rules: ShardingRules) -> None:
+  """Every weight's names against its rank, and every dimension against the
+  mesh axes each table splits it over. Raises ConfigError naming the weight,
+  its shape and its names, where jit would fail later naming neither."""
+  tables = (("weights", rules.params), ("gradients", rules.grads),
+            ("optimizer state", rules.optimizer))
+  for (path, names), leaf in zip(_flat_names(names_tree), jax.tree.leaves(abstract_params)):
+    shape = tuple(leaf.shape)
+    if names and len(names) != len(shape):
+      raise ConfigError(_where(path), f"shape {shape} has {len(shape)} dimensions but its "
+                        f"annotation names {len(names)}: {names}; give one name (or None) "
+                        "per dimension")
+    for label, table in tables:
+      for dim, (size, name, axes) in enumerate(zip(shape, names, logical_to_spec(names, table))):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        count = math.prod(mesh.shape[a] for a in axes)
+        if size % count:
+          raise ConfigError(
+              _where(path), f"dimension {dim} ({name!r}) of shape {shape}, names {names}, does "
+              f"not split over {' x '.join(axes)} = {count} devices ({label}); use a mesh "
+              f"that divides {size}, or map {name!r} elsewhere with Trainer(rules=...)")
+
+
+def unknown_names(names_tree, rules: Rules) -> dict[str, list[str]]:
+  """Names used by the weights that no table, meshtrain or the mesh knows
+  (a model's own vocabulary): name -> the weights that use it, all replicated."""
+  known = set(dict(rules)) | set(LOGICAL_NAMES) | set(AXES)
+  unknown: dict[str, list[str]] = {}
+  for path, names in _flat_names(names_tree):
+    for name in jax.tree.leaves(names):
+      if name not in known:
+        unknown.setdefault(name, []).append(_where(path))
+  return unknown
+
+
+def replicated_share(abstract_params, names_tree, mesh: Mesh, rules: Rules,
+                     axes: Sequence[str] | None = None) -> dict[str, float]:
+  """For each mesh axis larger than one in `axes` (default: all but `data`),
+  the share of parameter bytes that are not split over it: a check that the
+  rules cover the model (a large share under `fsdp` means weights are held whole)."""
   sizes = jax.tree.leaves(jax.tree.map(lambda a: a.size * a.dtype.itemsize, abstract_params))
-  specs = jax.tree.leaves(
-      jax.tree.map(lambda names: logical_to_spec(names, rules), names_tree,
-                   is_leaf=lambda x: isinstance(x, tuple)),
-      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  specs = [logical_to_spec(names, rules) for _, names in _flat_names(names_tree)]
   total = sum(sizes)
   report = {}
-  for axis in AXES:
-    if axis == "data" or mesh.shape[axis] == 1:
+  for axis in axes if axes is not None else [a for a in AXES if a != "data"]:
+    if mesh.shape[axis] == 1:
       continue
     unsplit = sum(size for size, spec in zip(sizes, specs)
                   if axis not in jax.tree.leaves(tuple(spec)))

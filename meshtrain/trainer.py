@@ -8,11 +8,15 @@
 The strategy is the mesh: every axis larger than one applies its rules table
 (`meshtrain.rules.AXIS_RULES`), `zero_stage` adds ZeRO on `data`. The weights'
 logical names come from their annotations (NNX `nnx.with_partitioning`, Linen
-`nn.with_logical_partitioning`) or, for a model without them, from ordered
-path patterns (`meshtrain.models.patterns`).
+`nn.with_logical_partitioning`, or mesh axis names such as `P('tensor', 'fsdp')`,
+honoured as those axes) or, for a model without them, from ordered path
+patterns (`meshtrain.models.patterns`). A model's own names join the tables
+through `rules={"kv": "head_dim"}`.
 """
 
-from collections.abc import Callable
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -22,6 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
+from meshtrain.errors import ConfigError
+from meshtrain.analysis import selfcheck
 from meshtrain.models.patterns import Patterns, names_by_path
 from meshtrain.train.state import ModelSpec, TrainState, init_state, nnx_spec, state_shardings
 from meshtrain.train.step import TrainStep
@@ -44,19 +50,75 @@ def linen_spec(module: nn.Module, *example_inputs, seed: int = 0,
   return ModelSpec(lambda: nn.meta.unbox(boxed()), abstract, names)
 
 
+# Mesh axes that split weights; `data` too where ZeRO shards the optimizer state.
+WEIGHT_AXES = ("fsdp", "tensor", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where one weight lives: its working copy in forward and backward, its
+  gradient, and its float32 master copy with the optimizer's moments."""
+  path: str
+  shape: tuple[int, ...]
+  params: str
+  grads: str
+  optimizer: str
+
+
+def _kv_heads_split(spec: ModelSpec, tensor: int) -> bool:
+  """Whether `tensor` divides every dimension named kv_heads; where it does not,
+  each device keeps all key/value heads, as meshtrain's own model does."""
+  sizes = [size for names, x in zip(jax.tree.leaves(spec.names, is_leaf=lambda n: isinstance(n, tuple)),
+                                    jax.tree.leaves(spec.abstract_params))
+           for name, size in zip(names, x.shape) if name == r.KV_HEADS]
+  return all(size % tensor == 0 for size in sizes)
+
+
 class Trainer:
   """A model's sharded state and its compiled train step on one mesh."""
 
   def __init__(self, spec: ModelSpec, loss_fn: Callable[[Any, dict], jax.Array],
-               optimizer: optax.GradientTransformation, mesh: Mesh, *, zero_stage: int = 0,
-               grad_accum_steps: int = 1, param_dtype: str = "float32", nan_policy: str = "stop"):
-    """`loss_fn(params, batch)`: the mean loss, `params` the pure dict of weights."""
+               optimizer: optax.GradientTransformation, mesh: Mesh, *,
+               rules: Mapping[str, str | Sequence[str] | None] | None = None, zero_stage: int = 0,
+               grad_accum_steps: int = 1, param_dtype: str = "float32", nan_policy: str = "stop",
+               strict: bool = False, max_replicated_share: float = 0.1):
+    """`loss_fn(params, batch)`: the mean loss, `params` the pure dict of weights.
+
+    `rules`: the model's own logical names, each mapped to a meshtrain name
+    (`{"kv": "head_dim"}`) or to mesh axes (`{"hidden": "tensor"}`). When the
+    weights that an axis larger than one leaves whole exceed
+    `max_replicated_share` of the bytes, or a name has no rule, the trainer
+    warns (`strict=True`: raises ConfigError).
+    """
     self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
-    self.rules = r.strategy_rules(mesh, zero_stage)
+    strategy = r.strategy_rules(mesh, zero_stage,
+                                split_kv_heads=_kv_heads_split(spec, mesh.shape["tensor"]))
+    self.rules = r.with_names(strategy, rules or {})
+    r.check_layout(spec.abstract_params, spec.names, mesh, self.rules)
+    axes = ("data",) * (zero_stage > 0) + WEIGHT_AXES
+    self.replicated = r.replicated_share(spec.abstract_params, spec.names, mesh,
+                                         self.rules.optimizer, axes)
+    self._report_coverage(max_replicated_share, strict)
     self.shardings = state_shardings(spec, optimizer, mesh, self.rules)
     self.step = TrainStep(loss_fn, spec.names, optimizer, mesh, self.rules, self.shardings,
                           grad_accum_steps=grad_accum_steps, param_dtype=param_dtype,
                           nan_policy=nan_policy)
+
+  def _report_coverage(self, max_share: float, strict: bool) -> None:
+    problems = [f"{share:.0%} of weight bytes are whole on every '{axis}' shard"
+                for axis, share in self.replicated.items() if share > max_share]
+    unknown = r.unknown_names(self.spec.names, self.rules.params)
+    problems += [f"logical name {name!r} has no rule (on {', '.join(paths[:3])}"
+                 f"{', ...' if len(paths) > 3 else ''}), so it is replicated"
+                 for name, paths in unknown.items()]
+    if not problems:
+      return
+    message = ("; ".join(problems) + ". Name the dimensions with meshtrain's logical names "
+               f"({', '.join(r.WEIGHT_NAMES)}) or map the model's own with "
+               "Trainer(rules={'its_name': 'head_dim'}); trainer.placement() shows each weight")
+    if strict:
+      raise ConfigError("rules", message)
+    warnings.warn(message, stacklevel=3)
 
   @classmethod
   def for_nnx(cls, create: Callable[[], nnx.Module], loss_fn: Callable[[nnx.Module, dict], jax.Array],
@@ -83,10 +145,25 @@ class Trainer:
     """NamedShardings of the weights as forward and backward use them."""
     return r.tree_shardings(self.spec.names, self.mesh, self.rules.params)
 
-  def placement(self) -> list[tuple[str, tuple[int, ...], str]]:
-    """(path, shape, PartitionSpec) of every weight: where the rules put it."""
-    flat = jax.tree_util.tree_flatten_with_path(self.param_shardings())[0]
-    shapes = jax.tree.leaves(self.spec.abstract_params)
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), tuple(x.shape), str(s.spec))
-            for (path, s), x in zip(flat, shapes)]
+  def placement(self) -> list[Placement]:
+    """Every weight's PartitionSpec as working weight, gradient and optimizer
+    state (under ZeRO-1 only the last is split over `data`)."""
+    specs = [jax.tree.leaves(r.tree_shardings(self.spec.names, self.mesh, table))
+             for table in (self.rules.params, self.rules.grads, self.rules.optimizer)]
+    flat = jax.tree_util.tree_flatten_with_path(self.spec.abstract_params)[0]
+    return [Placement(jax.tree_util.keystr(path, simple=True, separator="/"), tuple(x.shape),
+                      *(str(s[i].spec) for s in specs))
+            for i, (path, x) in enumerate(flat)]
 
+  def placement_table(self) -> str:
+    """placement() as aligned text, one weight a line."""
+    rows = [("weight", "shape", "weights", "gradients", "optimizer state")]
+    rows += [(p.path, str(p.shape), p.params, p.grads, p.optimizer) for p in self.placement()]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+  def verify(self, batch: dict, steps: int = 2) -> "selfcheck.Report":
+    """The sharded step against the same step unsharded under plain `jax.jit`
+    (see `meshtrain.analysis.selfcheck`): run it first on a new model or jax."""
+    return selfcheck.verify(self.spec, self.optimizer, self.step, self.shardings, batch, steps)

@@ -27,7 +27,8 @@ def test_readme_api_example_runs_as_written(capsys):
   exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
   out = capsys.readouterr().out.splitlines()
   assert out[0] == "P('fsdp', 'tensor')"
-  assert "up/kernel (64, 256) P('fsdp', 'tensor')" in out
+  assert any(re.fullmatch(r"up/kernel +\(64, 256\)( +P\('fsdp', 'tensor'\)){3}", line)
+             for line in out)
   assert float(out[-1]) < 0.1  # it learned
 
 
@@ -97,7 +98,38 @@ def test_path_patterns_take_the_first_match_and_check_the_rank():
   assert names["attn"]["query"]["kernel"] == ("embed", "heads", "head_dim")
   assert names["mlp"]["down"]["kernel"] == ("mlp", "embed")
   assert names["norm"]["scale"] == (None,)
-  with pytest.raises(ValueError, match=r"names 2 dimensions .* has shape \(8, 2, 4\)"):
+  with pytest.raises(ValueError, match=r"query/kernel has shape \(8, 2, 4\).* names 2 dimensions"):
     meshtrain.names_by_path(params, [(r"query/kernel", ("embed", "heads")), (".*", None)])
   with pytest.raises(ValueError, match="end the list with the catch-all"):
     meshtrain.names_by_path(params, [(r"query", None)])
+
+
+def test_readme_tables_every_logical_name_with_the_axes_that_split_it():
+  readme = (REPO / "README.md").read_text()
+  section = readme.split("### Logical names")[1].split("\n## ")[0]
+  rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+  header = [cell.strip(" `") for cell in section.split("| logical name")[1].splitlines()[0]
+            .split("|")[1:-1]][2:]
+  assert {row[0].strip(" `") for row in rows} == set(meshtrain.LOGICAL_NAMES)
+  for row in rows:
+    name = row[0].strip(" `")
+    assert getattr(meshtrain, row[1].strip(" `")) == name
+    for axis, cell in zip(header[-5:], row[-5:]):
+      splits = name in meshtrain.AXIS_RULES[axis] or (axis, name) in (
+          ("data", n) for n in meshtrain.ZERO_ON_DATA) or (axis, name) in (
+          ("tensor", n) for n in meshtrain.TENSOR_SEQUENCE_PARALLEL)
+      assert cell.strip().startswith("split") == splits, (name, axis)
+
+
+def test_placement_shows_weights_gradients_and_optimizer_state_under_zero():
+  module = LinenLM()
+  spec = meshtrain.linen_spec(module, np.zeros((8, 8), np.int32))
+  for stage, grads in ((1, P(None, None)), (2, P("data", None))):
+    trainer = meshtrain.Trainer(spec, lambda p, b: 0.0, optax.adamw(1e-2),
+                                meshtrain.make_mesh({"data": 8}), zero_stage=stage)
+    up = {p.path: p for p in trainer.placement()}["Dense_0/kernel"]
+    assert (up.params, up.grads, up.optimizer) == (str(P(None, None)), str(grads),
+                                                   str(P("data", None)))
+    assert 0 < trainer.replicated["data"] < 0.02  # only the unannotated biases stay whole
+  table = trainer.placement_table().splitlines()
+  assert table[0].split() == ["weight", "shape", "weights", "gradients", "optimizer", "state"]

@@ -1,8 +1,10 @@
 import jax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import micro_config
 from meshtrain import rules as r
+from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, make_mesh
 from meshtrain.train.state import llama_spec, model_config
 
@@ -36,3 +38,49 @@ def test_replicated_share_reports_unsharded_weights():
   assert share == {"fsdp": norm_bytes / total_bytes}
   data = make_mesh({**{a: 1 for a in AXES}, "data": 8})
   assert r.replicated_share(spec.abstract_params, spec.names, data, r.strategy_rules(data).params) == {}
+
+
+def mesh_of(**sizes):
+  return make_mesh({**{a: 1 for a in AXES}, **sizes})
+
+
+def test_a_models_own_names_join_every_table_of_the_strategy():
+  zero1 = r.strategy_rules(mesh_of(data=2, fsdp=2, tensor=2), zero_stage=1)
+  rules = r.with_names(zero1, {"kv": "heads", "width": "embed", "hidden": ("fsdp", "tensor"),
+                               "embed": None})
+  params, optimizer = dict(rules.params), dict(rules.optimizer)
+  assert params["kv"] == ("tensor",) and params["hidden"] == ("fsdp", "tensor")
+  # An alias follows its target through the tables: ZeRO-1 adds `data` to the
+  # optimizer state's embed, so also to the alias's.
+  assert params["width"] == ("fsdp",) and optimizer["width"] == ("data", "fsdp")
+  assert params["embed"] == () and r.logical_to_spec(("embed", "kv"), rules.params) == P(None, "tensor")
+  with pytest.raises(ConfigError, match=r"rules\['kv'\]: 'head' is neither a mesh axis"):
+    r.with_names(zero1, {"kv": "head"})
+
+
+def test_mesh_axis_names_are_honoured_as_their_axes():
+  rules = r.strategy_rules(mesh_of(fsdp=4, tensor=2)).params
+  assert r.logical_to_spec(("tensor", "fsdp"), rules) == P("tensor", "fsdp")
+  assert r.logical_to_spec((("data", "fsdp"), None), rules) == P(("data", "fsdp"), None)
+  # Mixed with logical names, an axis is still used once.
+  assert r.logical_to_spec(("embed", "fsdp", "mlp"), rules) == P("fsdp", None, "tensor")
+
+
+def test_layout_check_names_the_weight_its_shape_and_names():
+  mesh = mesh_of(fsdp=4, tensor=2)
+  rules = r.strategy_rules(mesh)
+  params = {"attn": {"kernel": jax.ShapeDtypeStruct((4, 64, 256), "float32")}}
+  with pytest.raises(ConfigError, match=r"attn/kernel: shape \(4, 64, 256\) has 3 dimensions but "
+                     r"its annotation names 2: \('embed', 'kv'\)"):
+    r.check_layout(params, {"attn": {"kernel": ("embed", "kv")}}, mesh, rules)
+  with pytest.raises(ConfigError, match=r"attn/kernel: dimension 0 \('embed'\) of shape "
+                     r"\(6, 64, 256\).* does not split over fsdp = 4 devices"):
+    r.check_layout({"attn": {"kernel": jax.ShapeDtypeStruct((6, 64, 256), "float32")}},
+                   {"attn": {"kernel": ("embed", None, "mlp")}}, mesh, rules)
+  r.check_layout(params, {"attn": {"kernel": ("embed", None, "mlp")}}, mesh, rules)
+
+
+def test_unknown_names_are_listed_with_their_weights():
+  names = {"a": {"kernel": ("embed", "kv")}, "b": {"kernel": ("kv", ("fsdp", "q"))}}
+  assert r.unknown_names(names, r.strategy_rules(mesh_of(fsdp=8)).params) == {
+      "kv": ["a/kernel", "b/kernel"], "q": ["b/kernel"]}

@@ -53,7 +53,9 @@ def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None)
   annotations (`nnx.with_partitioning`) or, for a model without them, from
   `patterns` (see `meshtrain.models.patterns`)."""
   def split():
-    graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
+    # Not eagerly: the trainer places the weights (mesh-axis annotations need no mesh here).
+    with nnx.use_eager_sharding(False):
+      graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
     others = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]
     if others:
       raise ValueError(f"meshtrain trains nnx.Param weights; this model also holds {others}")

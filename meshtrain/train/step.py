@@ -106,6 +106,7 @@ class TrainStep:
 
     if grads_fn is None:
       grads_fn = value_and_grad if grad_accum_steps == 1 else accumulated
+    self.loss_fn, self.grads_fn = loss_fn, grads_fn  # meshtrain.analysis.selfcheck runs them alone
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
       working = jax.lax.with_sharding_constraint(_cast(state.params, dtype), param_shardings)

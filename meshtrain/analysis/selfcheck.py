@@ -1,0 +1,171 @@
+"""verify: a sharded train step against the same step unsharded under plain `jax.jit`.
+
+XLA's partitioners (GSPMD, Shardy) have bugs that no test of meshtrain's own
+model can catch in another model (docs/partitioner_issues.md): the sharded
+program computes a wrong gradient while plain jit with the same shardings
+agrees with it. The only independent check is the unsharded program, so
+`verify` runs the step both ways from the same weights and batch:
+
+- sharded: meshtrain's gradient function and train step on the mesh;
+- reference: one device, plain `jax.jit`, `jax.value_and_grad` of the same loss,
+  the same optax optimizer.
+
+It compares the loss of every step and the first step's gradients, per
+parameter path, as relative differences in the 2-norm (|sharded - reference| /
+|reference| over the whole array): reordered float32 sums leave about 1e-7, a
+partitioner bug 1e-3 and more. The weights after the last step are reported
+beside them but not judged: Adam's normalized update turns the rounding of a
+near-zero gradient element into a move of up to the learning rate (seen:
+5.7e-5 on a kv projection whose gradient agreed to 7e-7), while the next
+step's loss shows whether the weights still compute the same model.
+Run it first on a new model, a new mesh or a new jax version.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from meshtrain import rules as r
+from meshtrain.data import make_iterator
+from meshtrain.train.setup import build
+from meshtrain.train.state import ModelSpec, TrainState, init_state
+from meshtrain.train.step import TrainStep
+
+TOLERANCE = 1e-5  # float32: reordered sums differ by ~1e-7, partitioner bugs by >= 1e-3
+# Gradients are measured against at least this share of the largest gradient's
+# norm: one that is zero but for rounding (a key bias, which softmax ignores)
+# would otherwise read as all error. A bug of 1e-3 in a gradient 100x smaller
+# than the largest still reads 1e-5.
+GRADIENT_FLOOR = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class PathDifference:
+  path: str
+  grads: float    # relative difference of the first step's gradient
+  params: float   # relative difference of the weights after the last step (not judged)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  losses: list[tuple[float, float]]  # (sharded, reference) per step
+  paths: list[PathDifference]
+
+  @property
+  def loss(self) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in self.losses)
+
+  @property
+  def worst(self) -> tuple[str, str, float]:
+    """(what, path, relative difference) of the largest difference in the loss
+    or a gradient."""
+    candidates = [("loss", "", self.loss)] + [("gradient", p.path, p.grads) for p in self.paths]
+    return max(candidates, key=lambda c: c[2])
+
+  def ok(self, tolerance: float = TOLERANCE) -> bool:
+    return self.worst[2] <= tolerance
+
+  def format(self, tolerance: float = TOLERANCE, rows: int = 8) -> str:
+    what, path, value = self.worst
+    verdict = "OK" if value <= tolerance else "MISMATCH"
+    lines = [f"verify: {len(self.losses)} steps, sharded vs plain jax.jit on one device: "
+             f"{verdict} (worst {value:.1e}: {what}{' of ' + path if path else ''}; "
+             f"tolerance {tolerance:.0e})",
+             "  loss   " + ", ".join(f"{a:.6f} vs {b:.6f}" for a, b in self.losses) +
+             f"  (relative {self.loss:.1e})"]
+    ranked = sorted(self.paths, key=lambda p: p.grads, reverse=True)
+    width = max(len(p.path) for p in ranked[:rows])
+    lines.append(f"  {'path'.ljust(width)}  gradient  weights after step {len(self.losses)}")
+    for p in ranked[:rows]:
+      lines.append(f"  {p.path.ljust(width)}  {p.grads:8.1e}  {p.params:.1e}")
+    if len(ranked) > rows:
+      lines.append(f"  ... {len(ranked) - rows} more, gradients within the last row's")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.format()
+
+
+def relative_difference(got: np.ndarray, want: np.ndarray, scale: float | None = None) -> float:
+  """|got - want| / |want| in the 2-norm of the whole array (or / `scale`)."""
+  want = np.asarray(want, np.float64)
+  diff = float(np.linalg.norm(np.asarray(got, np.float64) - want))
+  scale = float(np.linalg.norm(want)) if scale is None else scale
+  return diff / scale if scale else diff
+
+
+def sharded_run(step: TrainStep, names, shardings: TrainState, state: TrainState,
+                batch: dict, steps: int):
+  """The first gradient from the step's own gradient function, in the step's
+  layouts, then `steps` train steps; `state` is consumed."""
+  working = r.tree_shardings(names, step.mesh, step.rules.params)
+
+  def first_gradient(params, batch):
+    return step.grads_fn(jax.lax.with_sharding_constraint(params, working), batch)
+
+  placed = jax.device_put(batch, step.batch_sharding)
+  with jax.set_mesh(step.mesh), nnx.logical_axis_rules(step.rules.params):
+    _, grads = jax.jit(first_gradient, in_shardings=(shardings.params, step.batch_sharding),
+                       out_shardings=(None, shardings.params))(state.params, placed)
+  grads = jax.device_get(grads)
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, placed)
+    losses.append(float(metrics["loss"]))
+  return losses, grads, jax.device_get(state.params)
+
+
+def reference_run(loss_fn, optimizer: optax.GradientTransformation, params, batch: dict,
+                  steps: int):
+  """The same, unsharded: one device, plain jit, the same optax optimizer."""
+  device = jax.devices()[0]
+  params, batch = jax.device_put((params, batch), device)
+
+  @jax.jit
+  def train_step(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, grads
+
+  opt_state = optimizer.init(params)
+  losses, first_grads = [], None
+  for _ in range(steps):
+    params, opt_state, loss, grads = train_step(params, opt_state)
+    losses.append(float(loss))
+    first_grads = grads if first_grads is None else first_grads
+  return losses, jax.device_get(first_grads), jax.device_get(params)
+
+
+def verify(spec: ModelSpec, optimizer: optax.GradientTransformation, step: TrainStep,
+           shardings: TrainState, batch: dict, steps: int = 2) -> Report:
+  """Fresh weights, `steps` steps on `batch` (a host batch, float32 weights)
+  both ways; the report of their differences per parameter path."""
+  state = init_state(spec, optimizer, shardings)
+  initial = jax.device_get(state.params)
+  losses, grads, params = sharded_run(step, spec.names, shardings, state, batch, steps)
+  ref_losses, ref_grads, ref_params = reference_run(step.loss_fn, optimizer, initial, batch, steps)
+  floor = GRADIENT_FLOOR * max(float(np.linalg.norm(g)) for g in jax.tree.leaves(ref_grads))
+  paths = [PathDifference(jax.tree_util.keystr(path, simple=True, separator="/"),
+                          relative_difference(g, g_ref, max(float(np.linalg.norm(g_ref)), floor)),
+                          relative_difference(p, p_ref))
+           for (path, g), g_ref, p, p_ref in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                                 jax.tree.leaves(ref_grads),
+                                                 jax.tree.leaves(params),
+                                                 jax.tree.leaves(ref_params))]
+  return Report(list(zip(losses, ref_losses)), paths)
+
+
+def verify_config(cfg, steps: int = 2) -> Report:
+  """`meshtrain verify`: the config's model, mesh and strategy on the first
+  batch of its data, in float32 (a bfloat16 config is checked as float32), with
+  no warmup so that the first step moves the weights."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.param_dtype = cfg.compute_dtype = "float32"
+  cfg.optimizer.warmup_steps = 0
+  setup = build(cfg)
+  batch = next(make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                             vocab_size=cfg.model.vocab_size, seed=cfg.seed))
+  return verify(setup.spec, setup.optimizer, setup.train_step, setup.shardings, batch, steps)
