@@ -65,13 +65,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
 
   c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"        # adamw | sgd | lion | adafactor (optax)
   c.optimizer.learning_rate = 3e-3  # peak, after linear warmup; cosine decay to the end
   c.optimizer.warmup_steps = 20
   c.optimizer.min_lr_ratio = 0.1    # final learning rate as a share of the peak
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95
   c.optimizer.eps = 1e-8
-  c.optimizer.weight_decay = 0.1    # AdamW; not applied to norm scales and biases
+  c.optimizer.momentum = 0.0        # sgd: heavy-ball momentum (0: plain SGD)
+  c.optimizer.weight_decay = 0.1    # decoupled (sgd: added to the gradient); not on norm scales and biases
   c.optimizer.clip_norm = 1.0       # global gradient norm clipping (0: off)
 
   c.checkpoint = ml_collections.ConfigDict()

@@ -75,8 +75,11 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
   master = r.tree_shardings(spec.names, mesh, rules.optimizer)
   abstract_opt = jax.eval_shape(optimizer.init, spec.abstract_params)
   replicated = NamedSharding(mesh, PartitionSpec())
-  opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, master,
-                              transform_non_params=lambda _: replicated)
+  # A leaf shaped like its weight (moments) lies like it; others, such as
+  # Adafactor's factored row and column statistics, are small and replicated.
+  opt = optax.tree_map_params(
+      optimizer, lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
+      abstract_opt, spec.abstract_params, master, transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=master, opt_state=opt, nonfinite_steps=replicated)
 
 
