@@ -76,6 +76,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.1    # decoupled (sgd: added to the gradient); not on norm scales and biases
   c.optimizer.clip_norm = 1.0       # global gradient norm clipping (0: off)
 
+  c.local_sgd = ml_collections.ConfigDict()  # DiLoCo over `data`: replicas sync every inner_steps
+  c.local_sgd.inner_steps = 0             # steps between syncs of the `data` replicas (0: off, plain DP)
+  c.local_sgd.outer_optimizer = "nesterov"  # applies the mean parameter delta: sgd | nesterov
+  c.local_sgd.outer_learning_rate = 0.7   # DiLoCo's 0.7; sgd at 1.0 with no momentum averages the replicas
+  c.local_sgd.outer_momentum = 0.9        # DiLoCo's 0.9 (0: none)
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
   c.checkpoint.keep = 3            # newest checkpoints kept (0: all)

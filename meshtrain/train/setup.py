@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel import sequence
+from meshtrain.parallel import local_sgd, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.loss import cross_entropy
@@ -34,9 +34,11 @@ class Setup:
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
   shardings: TrainState
-  train_step: TrainStep
+  train_step: TrainStep | local_sgd.LocalSGDStep
 
   def init_state(self) -> TrainState:
+    if isinstance(self.train_step, local_sgd.LocalSGDStep):
+      return self.train_step.init_state()
     return init_state(self.spec, self.optimizer, self.shardings)
 
   def abstract_state(self) -> TrainState:
@@ -131,6 +133,7 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
 def build(cfg, devices=None) -> Setup:
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
+  local_sgd.validate(cfg)
   rules = sharding_rules(cfg, mesh)
   spec = llama_spec(model_config(cfg), cfg.seed)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
@@ -143,6 +146,11 @@ def build(cfg, devices=None) -> Setup:
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat)
               if mesh.shape["pipeline"] > 1 else None)
+  if cfg.local_sgd.inner_steps:
+    step = local_sgd.LocalSGDStep(cfg.local_sgd, spec, loss_fn, optimizer, mesh, rules,
+                                  grads_fn=grads_fn, grad_accum_steps=cfg.grad_accum_steps,
+                                  param_dtype=cfg.param_dtype, schedule=schedule)
+    return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
                    schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)

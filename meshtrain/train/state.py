@@ -28,6 +28,7 @@ class TrainState:
   params: Any      # float32 master weights, pure dict
   opt_state: Any
   nonfinite_steps: jax.Array  # steps whose loss or gradients were not finite (update dropped)
+  outer: Any = None  # local SGD: the shared weights and the outer optimizer state
 
 
 @dataclasses.dataclass(frozen=True)

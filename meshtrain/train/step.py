@@ -8,6 +8,7 @@ float32 in the layout of the `grads` rules.
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -35,6 +36,11 @@ def _trim(spec: P) -> P:
   return P(*parts)
 
 
+def batch_sharding(mesh: Mesh, rules: r.ShardingRules) -> NamedSharding:
+  """The layout of every batch leaf."""
+  return NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+
+
 def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype), tree)
 
@@ -46,7 +52,7 @@ class TrainStep:
                mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
                grad_accum_steps: int = 1, param_dtype: str = "float32",
                schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
-               nan_policy: str = "stop"):
+               nan_policy: str = "stop", replicas: int | None = None):
     """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
     names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
     replaces the differentiation of `loss_fn` (the pipeline brings its own);
@@ -56,13 +62,16 @@ class TrainStep:
     `nonfinite_steps`. Under `nan_policy="skip"` training goes on (`step`
     counts the dropped step); under "stop" the state stays frozen at the last
     good step from then on, so the loop can save it when it next looks.
+
+    `replicas` is the data-parallel degree, by default the `data` axis; 1 where
+    a caller maps the step over `data` itself (`step_fn`, as local SGD does).
     """
     self.mesh, self.rules = mesh, rules
-    self.batch_sharding = NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+    self.batch_sharding = batch_sharding(mesh, rules)
     param_shardings = r.tree_shardings(names, mesh, rules.params)
     grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
     dtype = jnp.dtype(param_dtype)
-    replicas = mesh.shape["data"]
+    replicas = mesh.shape["data"] if replicas is None else replicas
     # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
     # own sum and reduce once per step, not once per microbatch.
     per_replica = (grad_accum_steps > 1 and replicas > 1 and
@@ -128,8 +137,10 @@ class TrainStep:
       metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
       if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
-      return TrainState(state.step + counts.astype(jnp.int32), params, opt_state,
-                        nonfinite_steps), metrics
+      return dataclasses.replace(state, step=state.step + counts.astype(jnp.int32), params=params,
+                                 opt_state=opt_state, nonfinite_steps=nonfinite_steps), metrics
+
+    self.step_fn = step  # unjitted, for callers that transform it
 
     self._jitted = jax.jit(step, in_shardings=(state_shardings, self.batch_sharding),
                            out_shardings=(state_shardings, None), donate_argnums=0)
