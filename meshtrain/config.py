@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.seq_len = 128               # tokens per sequence
   c.grad_accum_steps = 1        # microbatches per step; divides global_batch / (data * fsdp)
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
-  c.compute_dtype = "float32"   # activations and matmul inputs: float32 or bfloat16
+  c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
   c.remat = "none"              # activation recomputation per layer: none | full | selective
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
   c.zero_stage = 0              # over `data`: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + weights
@@ -81,6 +81,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.local_sgd.outer_optimizer = "nesterov"  # applies the mean parameter delta: sgd | nesterov
   c.local_sgd.outer_learning_rate = 0.7   # DiLoCo's 0.7; sgd at 1.0 with no momentum averages the replicas
   c.local_sgd.outer_momentum = 0.9        # DiLoCo's 0.9 (0: none)
+
+  c.loss_scale = ml_collections.ConfigDict()  # dynamic loss scaling, on when either dtype is float16
+  c.loss_scale.initial = 32768.0  # starting scale (2**15)
+  c.loss_scale.period = 2000      # finite steps in a row before the scale doubles; an overflow halves it
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
