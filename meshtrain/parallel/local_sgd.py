@@ -12,6 +12,7 @@ from them and keeps its inner optimizer state.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -167,3 +168,21 @@ class LocalSGDStep:
 
   def lower_sync(self, state: TrainState) -> jax.stages.Lowered:
     return self._with_mesh(self._sync.lower, state)
+
+
+def plan(cfg, spec: ModelSpec, rules: r.ShardingRules, mesh) -> dict:
+  """What local SGD changes in `meshtrain plan`'s analytic report, per device:
+  the outer state it adds (float32 shared weights, and momentum when set) and
+  its only traffic over `data`, the sync's float32 all-reduce of the deltas,
+  once every `inner_steps` steps (per step: count and bytes / inner_steps)."""
+  one = inner_rules(rules)
+  shard_elements = sum(
+      leaf.size / math.prod(mesh.shape[a] for a in jax.tree.leaves(tuple(r.logical_to_spec(n, one.optimizer))))
+      for n, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
+                         jax.tree.leaves(spec.abstract_params)))
+  local, n = cfg.local_sgd, mesh.shape["data"]
+  outer_bytes = 4 * shard_elements * (2 if local.outer_momentum else 1)
+  sync_bytes = 2 * (n - 1) / n * 4 * shard_elements  # ring all-reduce
+  return {"outer_state_bytes": int(outer_bytes),
+          "sync": {"kind": "all-reduce", "axis": "data", "count": 1 / local.inner_steps,
+                   "bytes": int(sync_bytes / local.inner_steps)}}
