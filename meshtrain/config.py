@@ -86,6 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss_scale.initial = 32768.0  # starting scale (2**15)
   c.loss_scale.period = 2000      # finite steps in a row before the scale doubles; an overflow halves it
 
+  c.offload = ml_collections.ConfigDict()
+  c.offload.optimizer = False     # float32 master weights and optimizer state in pinned host memory between steps
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
   c.checkpoint.keep = 3            # newest checkpoints kept (0: all)

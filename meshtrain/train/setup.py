@@ -16,8 +16,8 @@ from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.precision import initial_loss_scale, uses_loss_scale
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.pipelined import pipelined_value_and_grad
-from meshtrain.train.state import (ModelSpec, TrainState, init_state, llama_spec, model_config,
-                                   state_shardings)
+from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
+                                   model_config, state_shardings)
 from meshtrain.train.step import TrainStep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -144,6 +144,8 @@ def build(cfg, devices=None) -> Setup:
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
   shardings = state_shardings(spec, optimizer, mesh, rules, initial_loss_scale(cfg))
+  if cfg.offload.optimizer:
+    shardings = in_memory(shardings, "pinned_host")
 
   def loss_fn(params, batch):
     logits = nnx.merge(spec.graphdef, params)(batch["inputs"])

@@ -88,6 +88,18 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                     loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
 
 
+def in_memory(shardings: TrainState, memory_kind: str) -> TrainState:
+  """The same layout with the master weights and optimizer state in `memory_kind`
+  memory ("pinned_host": offloaded to the host between steps, or "device")."""
+  move = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(memory_kind), tree)  # noqa: E731
+  return dataclasses.replace(shardings, params=move(shardings.params),
+                             opt_state=move(shardings.opt_state))
+
+
+def is_offloaded(shardings: TrainState) -> bool:
+  return any(s.memory_kind == "pinned_host" for s in jax.tree.leaves(shardings.params))
+
+
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                shardings: TrainState, loss_scale: LossScale | None = None) -> TrainState:
   """Creates parameters and optimizer state in their shards."""

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain import rules as r
 from meshtrain.train import precision
 from meshtrain.train.microbatch import split_microbatches
-from meshtrain.train.state import TrainState
+from meshtrain.train.state import TrainState, in_memory, is_offloaded
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[dict, Batch], jax.Array]
@@ -78,6 +78,10 @@ class TrainStep:
     param_shardings = r.tree_shardings(names, mesh, rules.params)
     grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
     dtype = jnp.dtype(param_dtype)
+    # Offloaded master weights and optimizer state come to the device for the
+    # update and go back to the host after it.
+    offload = is_offloaded(state_shardings)
+    on_device = in_memory(state_shardings, "device") if offload else state_shardings
     replicas = mesh.shape["data"] if replicas is None else replicas
     # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
     # own sum and reduce once per step, not once per microbatch.
@@ -123,6 +127,10 @@ class TrainStep:
       grads_fn = value_and_grad if grad_accum_steps == 1 else accumulated
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+      if offload:
+        state = dataclasses.replace(state, **jax.device_put(
+            {"params": state.params, "opt_state": state.opt_state},
+            {"params": on_device.params, "opt_state": on_device.opt_state}))
       working = jax.lax.with_sharding_constraint(_cast(state.params, dtype), param_shardings)
       loss_scale = state.loss_scale
       if loss_scale is None:
@@ -132,7 +140,7 @@ class TrainStep:
         grads = jax.tree.map(lambda g: g / loss_scale.scale, grads)
       # Gradients meet the optimizer in its layout: an all-reduce for replicated
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
-      grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
+      grads = jax.lax.with_sharding_constraint(grads, on_device.params)
       grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       # An overflow of scaled gradients, not a diverged run: the scale halves.
@@ -151,6 +159,9 @@ class TrainStep:
       # old optimizer moment when the new one is written over it (the donated
       # buffer), so XLA copied every moment, twice the weights' bytes, each step.
       params, opt_state = jax.lax.cond(healthy, update, keep, state.params, state.opt_state, grads)
+      if offload:
+        params, opt_state = jax.device_put((params, opt_state),
+                                           (state_shardings.params, state_shardings.opt_state))
       counts = healthy | (nan_policy == "skip") | overflow
       nonfinite_steps = state.nonfinite_steps + (~finite & ~overflow).astype(jnp.int32)
       metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
