@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.seq_len = 128               # tokens per sequence
   c.grad_accum_steps = 1        # microbatches per step; divides global_batch / (data * fsdp)
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
-  c.compute_dtype = "float32"   # activations and matmul inputs: float32 or bfloat16
+  c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
   c.remat = "none"              # activation recomputation per layer: none | full | selective
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
   c.zero_stage = 0              # over `data`: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + weights
@@ -69,14 +69,29 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
 
   c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"        # adamw | sgd | lion | adafactor (optax)
   c.optimizer.learning_rate = 3e-3  # peak, after linear warmup; cosine decay to the end
   c.optimizer.warmup_steps = 20
   c.optimizer.min_lr_ratio = 0.1    # final learning rate as a share of the peak
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.95
   c.optimizer.eps = 1e-8
-  c.optimizer.weight_decay = 0.1    # AdamW; not applied to norm scales and biases
+  c.optimizer.momentum = 0.0        # sgd: heavy-ball momentum (0: plain SGD)
+  c.optimizer.weight_decay = 0.1    # decoupled (sgd: added to the gradient); not on norm scales and biases
   c.optimizer.clip_norm = 1.0       # global gradient norm clipping (0: off)
+
+  c.local_sgd = ml_collections.ConfigDict()  # DiLoCo over `data`: replicas sync every inner_steps
+  c.local_sgd.inner_steps = 0             # steps between syncs of the `data` replicas (0: off, plain DP)
+  c.local_sgd.outer_optimizer = "nesterov"  # applies the mean parameter delta: sgd | nesterov
+  c.local_sgd.outer_learning_rate = 0.7   # DiLoCo's 0.7; sgd at 1.0 with no momentum averages the replicas
+  c.local_sgd.outer_momentum = 0.9        # DiLoCo's 0.9 (0: none)
+
+  c.loss_scale = ml_collections.ConfigDict()  # dynamic loss scaling, on when either dtype is float16
+  c.loss_scale.initial = 32768.0  # starting scale (2**15)
+  c.loss_scale.period = 2000      # finite steps in a row before the scale doubles; an overflow halves it
+
+  c.offload = ml_collections.ConfigDict()
+  c.offload.optimizer = False     # float32 master weights and optimizer state in pinned host memory between steps
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)

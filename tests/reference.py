@@ -8,12 +8,14 @@ import optax
 from flax import nnx
 
 
-def reference_run(graphdef, params, optimizer, batches, apply=None):
+def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=None):
   """Losses and final parameters of len(batches) plain steps from `params`: an
-  NNX model (`graphdef`) or any `apply(params, inputs) -> logits`."""
+  NNX model (`graphdef`) or any `apply(params, inputs) -> logits`. With
+  `opt_state` given (a run that goes on), also returns the final one."""
   device = jax.devices()[0]
   params = jax.device_put(jax.device_get(params), device)
-  opt_state = jax.device_put(jax.jit(optimizer.init)(params), device)
+  goes_on = opt_state is not None
+  opt_state = jax.device_put(opt_state if goes_on else jax.jit(optimizer.init)(params), device)
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -28,6 +30,8 @@ def reference_run(graphdef, params, optimizer, batches, apply=None):
   for batch in batches:
     params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
     losses.append(float(loss))
+  if goes_on:
+    return np.array(losses), jax.device_get(params), opt_state
   return np.array(losses), jax.device_get(params)
 
 

@@ -1,12 +1,16 @@
 """Mixed precision: bfloat16 working weights and activations, float32 master
 weights and optimizer state, training close to float32."""
 
+import json
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import micro_config
+from conftest import SHAKESPEARE, micro_config
 from reference import random_batches, reference_run
+from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 
 
@@ -28,3 +32,72 @@ def test_bfloat16_training_tracks_float32_and_keeps_float32_state():
       jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
   ref_losses, _ = reference_run(setup.spec.graphdef, initial, setup.optimizer, batches)
   np.testing.assert_allclose(losses, ref_losses, atol=0.03)  # bf16 rounding, not drift
+
+
+def text_config(workdir, dtype, **changes):
+  """The tiny model on the shakespeare text, bytes as tokens."""
+  return micro_config(**{"param_dtype": dtype, "compute_dtype": dtype, "workdir": str(workdir),
+                         "data.source": "text", "data.path": str(SHAKESPEARE),
+                         "model.vocab_size": 256, "seq_len": 32, "checkpoint.every_steps": 0,
+                         **changes})
+
+
+def test_float16_with_loss_scaling_trains_like_bfloat16_on_shakespeare(tmp_path):
+  steps = {"steps": 40, "log_every": 5, "optimizer.learning_rate": 1e-2}
+  fp16 = train(text_config(tmp_path / "fp16", "float16", **steps))
+  bf16 = train(text_config(tmp_path / "bf16", "bfloat16", **steps))
+  assert fp16[-1]["loss"] < fp16[0]["loss"] - 1.5  # it learned (5.5 -> about 3.3)
+  assert abs(fp16[-1]["loss"] - bf16[-1]["loss"]) < 0.05
+  assert fp16[-1]["nonfinite_steps"] == 0 and fp16[-1]["overflow_steps"] == 0
+
+
+def test_overflow_is_skipped_counted_and_the_scale_recovers_on_fsdp(tmp_path):
+  """A scale of 2**30 overflows float16 (max 65504): each overflow halves it and
+  drops the update without a nan_policy stop; `period` finite steps in a row
+  double it. The scale and the count are in metrics.jsonl."""
+  period = 4
+  cfg = text_config(tmp_path, "float16", **{"mesh.data": 1, "mesh.fsdp": 8, "steps": 30,
+                                            "nan_policy": "stop", "loss_scale.initial": 2.0**30,
+                                            "loss_scale.period": period})
+  records = train(cfg)
+  assert [r["step"] for r in records] == list(range(1, 31))  # no stop
+  assert all(r["nonfinite_steps"] == 0 for r in records)
+  logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["loss_scale"], r["overflow_steps"]) for r in logged] == [
+      (r["loss_scale"], r["overflow_steps"]) for r in records]
+  # The rule, spelled out: halve after an overflow, double after `period` good steps.
+  scale, good, overflows = 2.0**30, 0, 0
+  for record in records:
+    assert record["loss_scale"] == scale
+    overflowed = record["overflow_steps"] > overflows
+    overflows, good = record["overflow_steps"], 0 if overflowed else good + 1
+    scale, good = (scale / 2, good) if overflowed else (scale * 2, 0) if good == period else (scale, good)
+  scales = [r["loss_scale"] for r in records]
+  assert overflows >= 10 and any(b == 2 * a for a, b in zip(scales, scales[1:]))
+  assert records[-1]["loss"] < records[0]["loss"] - 0.5  # trains once the scale fits
+
+
+def test_an_overflowed_step_changes_no_weight_or_optimizer_state():
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "param_dtype": "float16",
+                        "compute_dtype": "float16", "loss_scale.initial": 2.0**40})
+  setup = build(cfg)
+  state = setup.init_state()
+  before = jax.device_get((state.params, state.opt_state))
+  batch = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)[0]
+  state, metrics = setup.train_step(
+      state, {k: jax.device_put(v, setup.train_step.batch_sharding) for k, v in batch.items()})
+  chex.assert_trees_all_equal(jax.device_get((state.params, state.opt_state)), before)
+  assert (int(metrics["overflow_steps"]), int(metrics["nonfinite_steps"])) == (1, 0)
+  assert (float(state.loss_scale.scale), int(state.step)) == (2.0**39, 1)
+
+
+def test_resume_is_exact_with_the_loss_scale(tmp_path):
+  changes = {"steps": 8, "loss_scale.initial": 2.0**22, "loss_scale.period": 2,
+             "checkpoint.every_steps": 4}
+  straight = train(text_config(tmp_path / "straight", "float16", **changes))
+  resumed = train(text_config(tmp_path / "resumed", "float16", **changes, **{
+      "checkpoint.restore_from": str(tmp_path / "straight/checkpoints/4")}))
+  pick = lambda records: [(r["step"], r["loss"], r["loss_scale"], r["overflow_steps"])
+                          for r in records if r["step"] > 4]
+  assert pick(resumed) == pick(straight)
+  assert len({r["loss_scale"] for r in straight}) > 2  # the scale moved both ways

@@ -32,7 +32,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.mesh import AXES, axis_sizes
-from meshtrain.parallel import sequence
+from meshtrain.parallel import local_sgd, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import setup as setup_lib
 from meshtrain.train.state import llama_spec, model_config
@@ -125,9 +125,13 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
   s = cfg.seq_len // mesh.shape["sequence"]
   memory["activations"] += 2 * 4 * b * s * m.vocab_size / mesh.shape["tensor"]  # logits + grad
   _activation_traffic(cfg, mesh, comm)
+  collectives = comm.as_list()
+  if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
+    local = local_sgd.plan(cfg, spec, rules, mesh)
+    memory["local_sgd_outer"] = local["outer_state_bytes"]
+    collectives = [c for c in collectives if "data" not in c["axis"]] + [local["sync"]]
   memory["total"] = sum(memory.values())
-  return {"memory_bytes": {k: int(v) for k, v in memory.items()},
-          "collectives": comm.as_list()}
+  return {"memory_bytes": {k: int(v) for k, v in memory.items()}, "collectives": collectives}
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm) -> None:

@@ -127,6 +127,10 @@ class Attention(nnx.Module):
     k_BxLxKxH = r.constrain(rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
                             (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     v_BxLxKxH = r.constrain(v_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
+    if dtype == jnp.float16 and jax.default_backend() == "cpu":
+      # jax's float16 attention asks for an F16_F16_F32 dot, which CPU does not lower.
+      q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (x.astype(jnp.float32) for x in
+                                          (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
     mesh = jax.sharding.get_abstract_mesh()
     if _splits_length(mesh):
       out_BxLxNxH = sequence.sequence_attention(
@@ -135,7 +139,7 @@ class Attention(nnx.Module):
     else:
       out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
                                                  implementation=cfg.attention_implementation)
-    out_BxLxNxH = r.constrain(out_BxLxNxH, (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
+    out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype), (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
     return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...].astype(dtype))
 
 

@@ -1,9 +1,13 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+"""The optimizer of `config.optimizer` (optax), with linear warmup, cosine decay
+and global-norm clipping: AdamW (default), SGD, Lion or Adafactor."""
 
 import jax
 import optax
 
+from meshtrain.errors import ConfigError
+
 NO_DECAY = ("scale", "bias")  # norm scales and biases keep their size
+OPTIMIZERS = ("adamw", "sgd", "lion", "adafactor")
 
 
 def learning_rate_schedule(opt_cfg, total_steps: int) -> optax.Schedule:
@@ -21,10 +25,29 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate_schedule(opt_cfg, total_steps), b1=opt_cfg.b1,
-                      b2=opt_cfg.b2, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+def base_optimizer(opt_cfg, learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+  """`config.optimizer.name` with its hyperparameters, no clipping. Weight decay
+  is decoupled (AdamW, Lion, Adafactor) or added to the gradient (SGD, as in
+  PyTorch), and skips NO_DECAY leaves."""
+  name, wd = opt_cfg.name, opt_cfg.weight_decay
+  if name == "adamw":
+    return optax.adamw(learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                       weight_decay=wd, mask=decay_mask)
+  if name == "sgd":
+    sgd = optax.sgd(learning_rate, momentum=opt_cfg.momentum or None)
+    return optax.chain(optax.add_decayed_weights(wd, decay_mask), sgd) if wd else sgd
+  if name == "lion":
+    return optax.lion(learning_rate, b1=opt_cfg.b1, b2=opt_cfg.b2, weight_decay=wd,
                       mask=decay_mask)
+  if name == "adafactor":
+    return optax.adafactor(learning_rate, weight_decay_rate=wd or None,
+                           weight_decay_mask=decay_mask)
+  raise ConfigError("config.optimizer.name",
+                    f"{name!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
+
+
+def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
+  optimizer = base_optimizer(opt_cfg, learning_rate_schedule(opt_cfg, total_steps))
   if opt_cfg.clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), optimizer)
+  return optimizer

@@ -11,16 +11,17 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel import sequence
+from meshtrain.parallel import local_sgd, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
+from meshtrain.train.precision import initial_loss_scale, uses_loss_scale
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.pipelined import pipelined_value_and_grad
-from meshtrain.train.state import (ModelSpec, TrainState, init_state, llama_spec, model_config,
-                                   state_shardings)
+from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
+                                   model_config, state_shardings)
 from meshtrain.train.step import TrainStep
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "selective")
 NAN_POLICIES = ("stop", "skip")
 ATTENTION = ("", "xla", "cudnn")
@@ -35,11 +36,13 @@ class Setup:
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
   shardings: TrainState
-  train_step: TrainStep
+  train_step: TrainStep | local_sgd.LocalSGDStep
   loss_fn: Callable[[dict, dict], jax.Array]  # (params, batch) -> mean loss, as the step trains it
 
   def init_state(self) -> TrainState:
-    return init_state(self.spec, self.optimizer, self.shardings)
+    if isinstance(self.train_step, local_sgd.LocalSGDStep):
+      return self.train_step.init_state()
+    return init_state(self.spec, self.optimizer, self.shardings, initial_loss_scale(self.cfg))
 
   def abstract_state(self) -> TrainState:
     """Shapes and dtypes of the state, for restoring into."""
@@ -133,11 +136,18 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
 def build(cfg, devices=None) -> Setup:
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
+  local_sgd.validate(cfg)
+  if uses_loss_scale(cfg) and (mesh.shape["pipeline"] > 1 or cfg.local_sgd.inner_steps):
+    raise ConfigError("config.param_dtype" if cfg.param_dtype == "float16" else "config.compute_dtype",
+                      "float16 loss scaling is not wired into the pipeline or local SGD yet; "
+                      "use bfloat16 there")
   rules = sharding_rules(cfg, mesh)
   spec = llama_spec(model_config(cfg), cfg.seed)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
-  shardings = state_shardings(spec, optimizer, mesh, rules)
+  shardings = state_shardings(spec, optimizer, mesh, rules, initial_loss_scale(cfg))
+  if cfg.offload.optimizer:
+    shardings = in_memory(shardings, "pinned_host")
 
   def loss_fn(params, batch):
     logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
@@ -146,7 +156,13 @@ def build(cfg, devices=None) -> Setup:
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps)
               if mesh.shape["pipeline"] > 1 else None)
+  if cfg.local_sgd.inner_steps:
+    step = local_sgd.LocalSGDStep(cfg.local_sgd, spec, loss_fn, optimizer, mesh, rules,
+                                  grads_fn=grads_fn, grad_accum_steps=cfg.grad_accum_steps,
+                                  param_dtype=cfg.param_dtype, schedule=schedule)
+    return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step, loss_fn)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
-                   schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)
+                   schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy,
+                   loss_scale_period=cfg.loss_scale.period)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain import rules as r
 from meshtrain.models.llama import Llama, LlamaConfig, attention_implementation
 from meshtrain.models.patterns import Patterns, names_by_path, path_string
+from meshtrain.train.precision import LossScale
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +29,8 @@ class TrainState:
   params: Any      # float32 master weights, pure dict
   opt_state: Any
   nonfinite_steps: jax.Array  # steps whose loss or gradients were not finite (update dropped)
+  outer: Any = None  # local SGD: the shared weights and the outer optimizer state
+  loss_scale: Any = None  # float16: precision.LossScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +75,38 @@ def llama_spec(model_cfg: LlamaConfig, seed: int = 0) -> ModelSpec:
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, rules: r.ShardingRules) -> TrainState:
-  """NamedShardings of every leaf of the train state."""
+                    mesh: Mesh, rules: r.ShardingRules, loss_scale: LossScale | None = None
+                    ) -> TrainState:
+  """NamedShardings of every leaf of the train state (`loss_scale`: its initial value, if any)."""
   master = r.tree_shardings(spec.names, mesh, rules.optimizer)
   abstract_opt = jax.eval_shape(optimizer.init, spec.abstract_params)
   replicated = NamedSharding(mesh, PartitionSpec())
-  opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, master,
-                              transform_non_params=lambda _: replicated)
-  return TrainState(step=replicated, params=master, opt_state=opt, nonfinite_steps=replicated)
+  # A leaf shaped like its weight (moments) lies like it; others, such as
+  # Adafactor's factored row and column statistics, are small and replicated.
+  opt = optax.tree_map_params(
+      optimizer, lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
+      abstract_opt, spec.abstract_params, master, transform_non_params=lambda _: replicated)
+  return TrainState(step=replicated, params=master, opt_state=opt, nonfinite_steps=replicated,
+                    loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
+
+
+def in_memory(shardings: TrainState, memory_kind: str) -> TrainState:
+  """The same layout with the master weights and optimizer state in `memory_kind`
+  memory ("pinned_host": offloaded to the host between steps, or "device")."""
+  move = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(memory_kind), tree)  # noqa: E731
+  return dataclasses.replace(shardings, params=move(shardings.params),
+                             opt_state=move(shardings.opt_state))
+
+
+def is_offloaded(shardings: TrainState) -> bool:
+  return any(s.memory_kind == "pinned_host" for s in jax.tree.leaves(shardings.params))
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
-               shardings: TrainState) -> TrainState:
+               shardings: TrainState, loss_scale: LossScale | None = None) -> TrainState:
   """Creates parameters and optimizer state in their shards."""
   def create():
     params = spec.init()
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                      jnp.zeros((), jnp.int32))
+                      jnp.zeros((), jnp.int32), loss_scale=loss_scale)
   return jax.jit(create, out_shardings=shardings)()

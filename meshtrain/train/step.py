@@ -8,6 +8,7 @@ float32 in the layout of the `grads` rules.
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -17,8 +18,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
+from meshtrain.train import precision
 from meshtrain.train.microbatch import split_microbatches
-from meshtrain.train.state import TrainState
+from meshtrain.train.state import TrainState, in_memory, is_offloaded
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[dict, Batch], jax.Array]
@@ -39,6 +41,11 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
 
+def batch_sharding(mesh: Mesh, rules: r.ShardingRules) -> NamedSharding:
+  """The layout of every batch leaf."""
+  return NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+
+
 def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype), tree)
 
@@ -50,7 +57,8 @@ class TrainStep:
                mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
                grad_accum_steps: int = 1, param_dtype: str = "float32",
                schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
-               nan_policy: str = "stop"):
+               nan_policy: str = "stop", replicas: int | None = None,
+               loss_scale_period: int = 2000):
     """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
     names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
     replaces the differentiation of `loss_fn` (the pipeline brings its own);
@@ -61,31 +69,47 @@ class TrainStep:
     `nonfinite_steps`. Under `nan_policy="skip"` training goes on (`step`
     counts the dropped step); under "stop" the state stays frozen at the last
     good step from then on, so the loop can save it when it next looks.
+
+    With a `state.loss_scale` (float16) the loss is scaled before the
+    backward pass and the gradients unscaled after (`meshtrain.train.precision`);
+    a step whose gradients overflow while its loss is finite is skipped, counted
+    in `loss_scale.overflow_steps` and not as non-finite, and the scale halves.
+
+    `replicas` is the data-parallel degree, by default the `data` axis; 1 where
+    a caller maps the step over `data` itself (`step_fn`, as local SGD does).
     """
     self.mesh, self.rules = mesh, rules
-    self.batch_sharding = NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+    self.batch_sharding = batch_sharding(mesh, rules)
     param_shardings = r.tree_shardings(names, mesh, rules.params)
     grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
     dtype = jnp.dtype(param_dtype)
-    replicas = mesh.shape["data"]
+    # Offloaded master weights and optimizer state come to the device for the
+    # update and go back to the host after it.
+    offload = is_offloaded(state_shardings)
+    on_device = in_memory(state_shardings, "device") if offload else state_shardings
+    replicas = mesh.shape["data"] if replicas is None else replicas
     # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
     # own sum and reduce once per step, not once per microbatch.
     per_replica = (grad_accum_steps > 1 and replicas > 1 and
                    "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs)))
 
-    def value_and_grad(params, batch: Batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    def value_and_grad(params, batch: Batch, scale=None):
+      if scale is None:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      else:  # the backward pass starts from `scale`, not 1
+        loss, backward = jax.vjp(lambda p: loss_fn(p, batch), params)
+        grads, = backward(scale.astype(loss.dtype))
       return loss, _cast(grads, jnp.float32)
 
-    def replica_value_and_grad(params, batch: Batch):
+    def replica_value_and_grad(params, batch: Batch, scale=None):
       """Per-replica losses [data] and gradients [data, ...], not yet summed."""
       def by_replica(x):
         return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
       with nnx.logical_axis_rules(r.without_axis(rules.params, "data")):
-        return jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name="data")(
-            params, jax.tree.map(by_replica, batch))
+        return jax.vmap(value_and_grad, in_axes=(None, 0, None), spmd_axis_name="data")(
+            params, jax.tree.map(by_replica, batch), scale)
 
-    def accumulated(params, batch: Batch):
+    def accumulated(params, batch: Batch, scale=None):
       """Mean loss and gradient over `grad_accum_steps` microbatches, summed in
       float32 in the `grads` layout."""
       lead = (replicas,) if per_replica else ()
@@ -93,7 +117,7 @@ class TrainStep:
       grads_fn = replica_value_and_grad if per_replica else value_and_grad
 
       def body(carry, microbatch):
-        loss, grads = grads_fn(params, microbatch)
+        loss, grads = grads_fn(params, microbatch, scale)
         grads = jax.lax.with_sharding_constraint(grads, specs)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
@@ -109,12 +133,24 @@ class TrainStep:
     self.loss_fn, self.grads_fn = loss_fn, grads_fn  # meshtrain.analysis.selfcheck runs them alone
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+      if offload:
+        state = dataclasses.replace(state, **jax.device_put(
+            {"params": state.params, "opt_state": state.opt_state},
+            {"params": on_device.params, "opt_state": on_device.opt_state}))
       working = jax.lax.with_sharding_constraint(_cast(state.params, dtype), param_shardings)
-      loss, grads = grads_fn(working, batch)
+      loss_scale = state.loss_scale
+      if loss_scale is None:
+        loss, grads = grads_fn(working, batch)
+      else:
+        loss, grads = grads_fn(working, batch, loss_scale.scale)
+        grads = jax.tree.map(lambda g: g / loss_scale.scale, grads)
       # Gradients meet the optimizer in its layout: an all-reduce for replicated
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
-      grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
+      grads = jax.lax.with_sharding_constraint(grads, on_device.params)
       grad_norm = optax.tree.norm(grads)
+      # An overflow of scaled gradients, not a diverged run: the scale halves.
+      overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (loss_scale.scale > 1)
+                  if loss_scale is not None else jnp.bool_(False))
 
       def update(params, opt_state, grads):
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -134,13 +170,23 @@ class TrainStep:
       # old optimizer moment when the new one is written over it (the donated
       # buffer), so XLA copied every moment, twice the weights' bytes, each step.
       params, opt_state = jax.lax.cond(healthy, update, keep, state.params, state.opt_state, grads)
-      counts = healthy | (nan_policy == "skip")
-      nonfinite_steps = state.nonfinite_steps + (~finite).astype(jnp.int32)
+      if offload:
+        params, opt_state = jax.device_put((params, opt_state),
+                                           (state_shardings.params, state_shardings.opt_state))
+      counts = healthy | (nan_policy == "skip") | overflow
+      nonfinite_steps = state.nonfinite_steps + (~finite & ~overflow).astype(jnp.int32)
       metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
+      if loss_scale is not None:
+        metrics["loss_scale"] = loss_scale.scale  # the scale this step ran with
+        loss_scale = precision.adjust(loss_scale, finite, overflow, loss_scale_period)
+        metrics["overflow_steps"] = loss_scale.overflow_steps
       if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
-      return TrainState(state.step + counts.astype(jnp.int32), params, opt_state,
-                        nonfinite_steps), metrics
+      return dataclasses.replace(state, step=state.step + counts.astype(jnp.int32), params=params,
+                                 opt_state=opt_state, nonfinite_steps=nonfinite_steps,
+                                 loss_scale=loss_scale), metrics
+
+    self.step_fn = step  # unjitted, for callers that transform it
 
     self._jitted = jax.jit(step, in_shardings=(state_shardings, self.batch_sharding),
                            out_shardings=(state_shardings, None), donate_argnums=0)
