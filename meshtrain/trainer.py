@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
+from meshtrain.analysis import plan
 from meshtrain.models.patterns import Patterns, names_by_path
 from meshtrain.train.state import ModelSpec, TrainState, init_state, nnx_spec, state_shardings
 from meshtrain.train.step import TrainStep
@@ -52,6 +53,7 @@ class Trainer:
                grad_accum_steps: int = 1, param_dtype: str = "float32", nan_policy: str = "stop"):
     """`loss_fn(params, batch)`: the mean loss, `params` the pure dict of weights."""
     self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
+    self.loss_fn, self.param_dtype = loss_fn, param_dtype
     self.rules = r.strategy_rules(mesh, zero_stage)
     self.shardings = state_shardings(spec, optimizer, mesh, self.rules)
     self.step = TrainStep(loss_fn, spec.names, optimizer, mesh, self.rules, self.shardings,
@@ -78,6 +80,11 @@ class Trainer:
   def model(self, state: TrainState) -> nnx.Module:
     """The NNX module with the state's weights (sharded as they are), e.g. to evaluate."""
     return nnx.merge(self.spec.graphdef, state.params)
+
+  def plan(self, batch: dict) -> dict:
+    """Per-device memory of the step on batches shaped like `batch`, activations
+    read from the model (`meshtrain.analysis.plan.trainer_plan`); nothing runs."""
+    return plan.trainer_plan(self, batch)
 
   def param_shardings(self) -> Any:
     """NamedShardings of the weights as forward and backward use them."""
