@@ -86,6 +86,7 @@ class _Comm:
 def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
+  grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
   batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
   # Gradients are summed over every axis that splits the tokens.
@@ -100,14 +101,17 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
     p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
     compute = leaf.size / _prod(p_axes - batch_axes, mesh)   # elements one device computes with
     working, master = compute / _prod(p_axes & batch_axes, mesh), leaf.size / _prod(o_axes, mesh)
-    grads = compute / _prod(g_axes & batch_axes, mesh)
+    # With one microbatch nothing accumulates: the backward's gradients go straight
+    # into the optimizer layout, so ZeRO-1 and ZeRO-2 compile to one program (the
+    # `grads` rules only lay out an accumulator).
+    grads = compute / _prod((g_axes if accum > 1 else p_axes) & batch_axes, mesh)
     if cfg.param_dtype == "float32" and p_axes == o_axes:  # the working copy is the master
       memory["params"] += 4 * master
       memory["optimizer"] += 8 * master
     else:
       memory["params"] += param_bytes * working
       memory["optimizer"] += 12 * master
-    memory["grads"] += 4 * grads
+    memory["grads"] += grad_bytes * grads
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
     layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
@@ -117,10 +121,9 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
              accum * layers)
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
-    grad_bytes = (4 if per_replica else param_bytes) * grads
-    comm.add("reduce-scatter", rest & o_axes, grad_bytes, mesh, reductions)
-    comm.add("all-reduce", rest - o_axes, grad_bytes / _prod(rest & o_axes, mesh), mesh,
-             reductions)
+    reduced = (grad_bytes if per_replica else param_bytes) * grads
+    comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
+    comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
   memory["activations"] = activation_bytes(cfg, mesh, rules)
   _activation_traffic(cfg, mesh, comm)
@@ -224,11 +227,15 @@ def llama_loss(spec):
 def _residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences."""
   model_cfg = dataclasses.replace(model_config(cfg), num_layers=layers, remat=remat)
-  spec = llama_spec(model_cfg)
+  # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
+  # the [.., length, length] scores, which flash attention never stores.
+  flash = model_cfg.attention_implementation == "cudnn" and mesh.shape["sequence"] == 1
+  spec = llama_spec(dataclasses.replace(model_cfg, attention_implementation="xla"))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
                                     mesh, rules)
-  return sum(x.device_bytes for x in saved)
+  return sum(x.device_bytes for x in saved
+             if not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
 
 
 def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:

@@ -269,6 +269,7 @@ def saved_residuals(loss_fn: Callable[[Any, dict], jax.Array], abstract_params, 
   with their layout on `mesh` (an AbstractMesh will do): weights enter in their
   `rules.params` layout, the batch split as `[batch, length]`. Residuals that
   are the weights themselves cost nothing extra and are left out."""
+  mesh = getattr(mesh, "abstract_mesh", mesh)  # a concrete Mesh's shape is all it needs
   with jax.sharding.use_abstract_mesh(mesh), nnx.logical_axis_rules(rules.params):
     jaxpr = jax.make_jaxpr(_forward(loss_fn))(abstract_params, abstract_batch).jaxpr
   batch_names = jax.tree.map(lambda x: (r.BATCH, r.LENGTH)[:len(x.shape)], abstract_batch)

@@ -53,6 +53,7 @@ def validate(cfg, mesh: Mesh) -> None:
   """Checks the config against the mesh before anything is compiled."""
   _check_choice("config.param_dtype", cfg.param_dtype, DTYPES)
   _check_choice("config.compute_dtype", cfg.compute_dtype, DTYPES)
+  _check_choice("config.grad_dtype", cfg.grad_dtype, DTYPES)
   _check_choice("config.remat", cfg.remat, REMAT)
   _check_choice("config.zero_stage", cfg.zero_stage, r.ZERO_STAGES)
   _check_choice("config.nan_policy", cfg.nan_policy, NAN_POLICIES)
@@ -145,5 +146,5 @@ def build(cfg, devices=None) -> Setup:
               if mesh.shape["pipeline"] > 1 else None)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
-                   schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)
+                   grad_dtype=cfg.grad_dtype, schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step)
