@@ -23,6 +23,7 @@ al.'s formulas.
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -83,8 +84,9 @@ class _Comm:
             for (k, a), (c, b) in sorted(self.totals.items())]
 
 
-def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
-  """Per-device memory (bytes) and per-step collectives of the train step."""
+def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None) -> dict:
+  """Per-device memory (bytes) and per-step collectives of the train step;
+  `activations` replaces the traced activation bytes (the search scales its own)."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
@@ -125,7 +127,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
     comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
     comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
-  memory["activations"] = activation_bytes(cfg, mesh, rules)
+  memory["activations"] = (activation_bytes(cfg, mesh, rules) if activations is None
+                           else activations)
   _activation_traffic(cfg, mesh, comm)
   memory["total"] = sum(memory.values())
   return {"memory_bytes": {k: int(v) for k, v in memory.items()},
@@ -172,8 +175,8 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if stages > 1:
-    ticks = schedules.build(cfg.pipeline.schedule, stages, microbatches,
-                            cfg.pipeline.virtual_stages).num_ticks
+    ticks = schedule_table(cfg.pipeline.schedule, stages, microbatches,
+                           cfg.pipeline.virtual_stages).num_ticks
     sent = activation / (t if cfg.tensor_sequence_parallel else 1)
     comm.add("collective-permute", {"pipeline"}, sent, mesh, 2 * ticks * cfg.grad_accum_steps)
 
@@ -203,6 +206,12 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
     comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, passes)
     comm.add("collective-permute", {"sequence"}, moving * act_bytes * tokens * m.embed_dim, mesh,
              2 * passes)
+
+
+@functools.cache
+def schedule_table(name: str, stages: int, microbatches: int, chunks: int) -> schedules.Schedule:
+  """A pipeline schedule, built once (a search asks for the same ones often)."""
+  return schedules.build(name, stages, microbatches, chunks)
 
 
 def _gathers(names, cfg) -> int:
@@ -253,7 +262,7 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
   stash = 0
   if stages > 1:
     p = cfg.pipeline
-    table = schedules.build(p.schedule, stages, p.microbatches, p.virtual_stages)
+    table = schedule_table(p.schedule, stages, p.microbatches, p.virtual_stages)
     rows, layers = rows // p.microbatches, layers // (stages * p.virtual_stages)
     per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
