@@ -4,6 +4,7 @@
   meshtrain launch --num_processes 2 --devices_per_process 4 -- train --config configs/tiny.py
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from ml_collections import config_flags
 
 import meshtrain.config
 from meshtrain import distributed, launch
+from meshtrain.analysis import clusters, search
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.errors import ConfigError, TrainingHalted
 from meshtrain.parallel.pipeline import draw, schedule as schedules
@@ -29,6 +31,15 @@ _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and 
                              "and collectives (on --devices simulated CPU devices if set)")
 _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (default: the "
                                 "config's simulate_devices, else the devices present)")
+_SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
+                            "microbatches for --devices of --cluster, fastest first")
+_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset (h100, h200, a100_80gb, "
+                               "b200, tpu_v5p) or a JSON file with the same fields")
+_TOP = flags.DEFINE_integer("top", 5, "plan --search: how many configurations to print")
+_GLOBAL_BATCH = flags.DEFINE_integer("global_batch", None, "plan --search: sequences per step "
+                                     "(default: the config's)")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "plan --search: tokens per sequence "
+                                "(default: the config's)")
 _STAGES = flags.DEFINE_integer("stages", 4, "schedule: pipeline stages")
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "schedule: microbatches per step")
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "schedule: which one")
@@ -68,12 +79,36 @@ def plan_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   cfg = _CONFIG.value
+  if _SEARCH.value:
+    _search(cfg)
+    return
   if _COMPILE.value and _DEVICES.value:
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   report = plan(cfg, devices, _COMPILE.value)
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+
+
+def _search(cfg) -> None:
+  if not _DEVICES.value or _DEVICES.value < 1:
+    raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
+                      "e.g. --devices 1024")
+  with cfg.unlocked():
+    cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
+    cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
+  cluster = clusters.load(_CLUSTER.value)
+  config_arg = f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}"
+  results, fitting, _ = search.search(cfg, _DEVICES.value, cluster, _TOP.value)
+  if _JSON.value:
+    print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": _DEVICES.value,
+                      "fitting": fitting, "achievable": search.ACHIEVABLE,
+                      "results": [e.as_dict(config_arg) for e in results]}, indent=2))
+  elif not results:
+    print(f"nothing fits: no mesh of {_DEVICES.value} x {cluster.name} holds this model at "
+          f"global_batch={cfg.global_batch}, seq_len={cfg.seq_len}")
+  else:
+    print(search.format_search(results, fitting, cluster, _DEVICES.value, config_arg))
 
 
 def schedule_command(argv: list[str]) -> None:

@@ -103,10 +103,11 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
     compute = leaf.size / _prod(p_axes - batch_axes, mesh)   # elements one device computes with
     working, master = compute / _prod(p_axes & batch_axes, mesh), leaf.size / _prod(o_axes, mesh)
-    # With one microbatch nothing accumulates: the backward's gradients go straight
-    # into the optimizer layout, so ZeRO-1 and ZeRO-2 compile to one program (the
-    # `grads` rules only lay out an accumulator).
-    grads = compute / _prod((g_axes if accum > 1 else p_axes) & batch_axes, mesh)
+    # With one microbatch nothing accumulates: each layer's gradients go straight
+    # into the optimizer layout (XLA reduce-scatters them inside the backward's
+    # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
+    # only lay out an accumulator.
+    grads = compute / _prod((g_axes if accum > 1 else o_axes) & batch_axes, mesh)
     if cfg.param_dtype == "float32" and p_axes == o_axes:  # the working copy is the master
       memory["params"] += 4 * master
       memory["optimizer"] += 8 * master

@@ -33,7 +33,7 @@ import ml_collections
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import flops, plan as plan_lib, residuals
+from meshtrain.analysis import clusters, flops, plan as plan_lib, residuals
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.mesh import AXES
 from meshtrain.parallel.pipeline import schedule as schedules
@@ -271,8 +271,8 @@ def meshtrain_runs(cfg, c: Candidate) -> str:
 
 def candidates(cfg, devices: int, cluster: Cluster):
   """Every mesh, schedule and accumulation meshtrain can run the model with on
-  `devices`; ZeRO-1 whenever `data` > 1 (it moves what DDP moves and holds
-  less), sequence parallelism whenever `tensor` > 1."""
+  `devices`; ZeRO-1 whenever `data` > 1 splits the weights (it moves what DDP
+  moves and holds less), sequence parallelism whenever `tensor` > 1."""
   m = cfg.model
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
     if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor:
@@ -287,12 +287,12 @@ def candidates(cfg, devices: int, cluster: Cluster):
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp
           replicas = data * fsdp
-          if cfg.global_batch % replicas or m.embed_dim % (fsdp * data):
+          if cfg.global_batch % replicas or m.embed_dim % fsdp:
             continue
           mesh = (("data", data), ("pipeline", pipeline), ("fsdp", fsdp),
                   ("sequence", sequence), ("tensor", tensor))
-          base = dict(mesh=mesh, zero_stage=1 if data > 1 else 0,
-                      tensor_sequence_parallel=tensor > 1)
+          zero = int(data > 1 and m.embed_dim % (fsdp * data) == 0)
+          base = dict(mesh=mesh, zero_stage=zero, tensor_sequence_parallel=tensor > 1)
           rows = cfg.global_batch // replicas
           if pipeline == 1:
             for accum in (a for a in (1, 2, 4, 8) if rows % a == 0):
@@ -333,6 +333,33 @@ def rank_of(results: list[Estimate], c: Candidate) -> int | None:
     if dataclasses.replace(e.candidate, remat="none") == key:
       return i
   return None
+
+
+def check_published(run) -> dict:
+  """A published run (`meshtrain.analysis.published`) through the planner: the
+  rank of its mesh among everything that fits, the predicted TFLOP/s per
+  device of its configuration (counting recomputation where the publication
+  does), and the planner's own first choice."""
+  cfg, cluster = run.config(), clusters.load(run.cluster)
+  results, fitting, model = search(cfg, run.devices, cluster, top=10**9)
+  sizes = {a: run.mesh.get(a, 1) for a in AXES}
+  rank = next((i for i, e in enumerate(results, 1) if e.candidate.sizes == sizes), None)
+  if rank is None:  # does not fit, or meshtrain does not run it: as published
+    rows = cfg.global_batch // (sizes["data"] * sizes["fsdp"])
+    as_published = Candidate(tuple(sizes.items()), zero_stage=0,
+                             microbatches=rows if sizes["pipeline"] > 1 else 1,
+                             tensor_sequence_parallel=sizes["tensor"] > 1)
+  else:
+    as_published = results[rank - 1].candidate
+  mine = model.estimate(dataclasses.replace(as_published, remat=run.remat))
+  published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
+
+  def tflops(e):
+    return e.hardware_tflops_per_device if run.counts_recompute else e.model_tflops_per_device
+  return {"run": run.name, "fitting": fitting, "rank": rank, "published_tflops": published,
+          "predicted_tflops": tflops(mine), "published": mine,
+          "first": results[0] if results else None,
+          "first_tflops": tflops(results[0]) if results else None}
 
 
 def format_search(results: list[Estimate], fitting: int, cluster: Cluster, devices: int,
