@@ -109,8 +109,9 @@ def across_hosts(sizes: dict, cluster: Cluster) -> list[str]:
   return crossing[::-1]
 
 
-# Layers of the traced model: a prime, so that the stacked residuals stand out.
-TRACED_LAYERS = 7
+# Layers and sequences of the traced model: odd numbers no model dimension is
+# likely to equal, so that stacked and per-sequence residuals stand out.
+TRACED_LAYERS, TRACED_ROWS = 7, 22  # rows: 11 per device of the traced mesh
 
 
 class _ActivationModel:
@@ -124,31 +125,37 @@ class _ActivationModel:
 
   @functools.cache
   def _traced(self, remat: str, tensor: bool, sequence: bool, split_kv: bool):
-    """(bytes, splitting axes, stacked over layers) of each residual of a
-    TRACED_LAYERS-layer model on 2 sequences, on a mesh of 2s."""
+    """(bytes, splitting axes, per sequence?, stacked over layers?) of each
+    residual of a TRACED_LAYERS-layer model on TRACED_ROWS sequences, on a mesh of 2s."""
     sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if sequence else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
     model_cfg = dataclasses.replace(model_config(self.cfg), num_layers=TRACED_LAYERS, remat=remat,
                                     attention_implementation="xla")
     spec = llama_spec(model_cfg)
-    batch = {k: jax.ShapeDtypeStruct((2, self.cfg.seq_len), jnp.int32)
+    batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
     saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
                                       spec.names, batch, mesh, rules)
-    return [(x.bytes, {a for axes in x.spec for a in axes},
-             x.shape[0] == TRACED_LAYERS and not x.spec[0]) for x in saved]
+    out = []
+    for x in saved:
+      axes = {a for split in x.spec for a in split}
+      stacked = x.shape[0] == TRACED_LAYERS and not x.spec[0]
+      out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked))
+    return out
 
   def bytes(self, sizes: dict, remat: str, rows: float, layers: int) -> float:
     """Residuals of `layers` layers with embedding and head, on `rows`
     sequences per device (sequence parallelism whenever `tensor` splits)."""
     t, s = sizes["tensor"], sizes["sequence"]
+    replicas = sizes["data"] * sizes["fsdp"]
     total = 0.0
-    for nbytes, axes, stacked in self._traced(remat, t > 1, s > 1,
-                                              self.cfg.model.num_kv_heads % t == 0):
-      share = (rows / 2 if "data" in axes else 1) * nbytes  # traced at 1 row per device
-      share *= layers / TRACED_LAYERS if stacked else 1
-      total += share / (t if "tensor" in axes else 1) / (s if "sequence" in axes else 1)
+    for nbytes, axes, per_row, stacked in self._traced(remat, t > 1, s > 1,
+                                                       self.cfg.model.num_kv_heads % t == 0):
+      nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
+          layers / TRACED_LAYERS if stacked else 1)
+      total += nbytes / (replicas if "data" in axes else 1) / (t if "tensor" in axes else 1) / (
+          s if "sequence" in axes else 1)
     return total
 
 
