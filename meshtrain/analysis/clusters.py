@@ -24,6 +24,7 @@ class Cluster:
   inter_host: float        # bytes/s per device and direction across hosts
   devices_per_host: int
   usable_memory: float = 0.9  # share of HBM a step may plan for (allocator, runtime, fragmentation)
+  flash_attention: bool = True  # attention keeps no [length, length] scores (cuDNN's on NVIDIA GPUs)
 
 
 PRESETS = {
@@ -46,7 +47,7 @@ PRESETS = {
     # 4,800 Gbps per chip over 6 links of a 3D torus (100 GB/s per link and
     # direction; a ring along one torus axis uses 2 links), 4 chips per host.
     # Inside a slice the hosts are joined by the same ICI.
-    "tpu_v5p": Cluster("tpu_v5p", 459e12, 95 * GB, 200 * GB, 200 * GB, 4),
+    "tpu_v5p": Cluster("tpu_v5p", 459e12, 95 * GB, 200 * GB, 200 * GB, 4, flash_attention=False),
 }
 
 

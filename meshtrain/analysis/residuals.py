@@ -253,11 +253,23 @@ def _forward(loss_fn: Callable[[Any, dict], jax.Array]) -> Callable:
   return lambda params, batch: jax.vjp(lambda p: loss_fn(p, batch), params)[1]
 
 
+def _input_dependent(jaxpr) -> set:
+  """Values computed from the inputs. The others (causal masks from iota,
+  rotary tables) are constants XLA folds into their users in the train step."""
+  dependent = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(_is_var(v) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  return dependent
+
+
 def _new_outputs(jaxpr, num_params: int) -> list[int]:
-  """Indices of the residuals that cost memory: not a weight, not a repeat."""
+  """Indices of the residuals that cost memory: computed from the inputs, not
+  a weight, not a repeat."""
   params_in, seen, kept = set(jaxpr.invars[:num_params]), set(), []
+  dependent = _input_dependent(jaxpr)
   for i, v in enumerate(jaxpr.outvars):
-    if _is_var(v) and v not in params_in and v not in seen:
+    if _is_var(v) and v in dependent and v not in params_in and v not in seen:
       seen.add(v)
       kept.append(i)
   return kept
@@ -268,7 +280,8 @@ def saved_residuals(loss_fn: Callable[[Any, dict], jax.Array], abstract_params, 
   """The arrays `jax.grad(loss_fn)` keeps from its forward for its backward,
   with their layout on `mesh` (an AbstractMesh will do): weights enter in their
   `rules.params` layout, the batch split as `[batch, length]`. Residuals that
-  are the weights themselves cost nothing extra and are left out."""
+  are the weights themselves cost nothing extra, and constants are folded
+  into their users: both are left out."""
   mesh = getattr(mesh, "abstract_mesh", mesh)  # a concrete Mesh's shape is all it needs
   with jax.sharding.use_abstract_mesh(mesh), nnx.logical_axis_rules(rules.params):
     jaxpr = jax.make_jaxpr(_forward(loss_fn))(abstract_params, abstract_batch).jaxpr

@@ -40,10 +40,12 @@ from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import setup as setup_lib
 from meshtrain.train.state import llama_spec, model_config
 
-# Share of peak FLOP/s that a large bf16 transformer's matmuls sustain in a
-# step (Megatron-LM reaches 52% of A100 peak at 1T parameters with its
-# communication included; cuBLAS GEMMs of these sizes run at 70-80%).
-ACHIEVABLE = 0.65
+# Share of peak FLOP/s a bf16 transformer step sustains in its kernels (matmuls,
+# attention, norms and optimizer together), before communication and bubbles.
+# Published runs put it at about half: Megatron-LM's data-parallel 1.7B model
+# computed at 44% of A100 peak with its gradient reduction hidden (Narayanan et
+# al. 2021, Table 1), MaxText's Llama2-7B at 50% of H100 peak.
+ACHIEVABLE = 0.5
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
 
@@ -120,8 +122,8 @@ class _ActivationModel:
   splits, each scaled to the real mesh by the axes that split it, to the
   real rows and (stacked over the layers' scan) to the real depth."""
 
-  def __init__(self, cfg):
-    self.cfg = cfg
+  def __init__(self, cfg, flash: bool):
+    self.cfg, self.flash = cfg, flash
 
   @functools.cache
   def _traced(self, remat: str, tensor: bool, sequence: bool, split_kv: bool):
@@ -141,7 +143,8 @@ class _ActivationModel:
     for x in saved:
       axes = {a for split in x.spec for a in split}
       stacked = x.shape[0] == TRACED_LAYERS and not x.spec[0]
-      out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked))
+      scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
+      out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked, scores))
     return out
 
   def bytes(self, sizes: dict, remat: str, rows: float, layers: int) -> float:
@@ -150,8 +153,10 @@ class _ActivationModel:
     t, s = sizes["tensor"], sizes["sequence"]
     replicas = sizes["data"] * sizes["fsdp"]
     total = 0.0
-    for nbytes, axes, per_row, stacked in self._traced(remat, t > 1, s > 1,
-                                                       self.cfg.model.num_kv_heads % t == 0):
+    for nbytes, axes, per_row, stacked, scores in self._traced(
+        remat, t > 1, s > 1, self.cfg.model.num_kv_heads % t == 0):
+      if scores and self.flash:  # flash attention keeps no scores (without `sequence`)
+        continue
       nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
           layers / TRACED_LAYERS if stacked else 1)
       total += nbytes / (replicas if "data" in axes else 1) / (t if "tensor" in axes else 1) / (
@@ -188,6 +193,7 @@ class StepModel:
 
   def __init__(self, cfg, cluster: Cluster, achievable: float = ACHIEVABLE):
     self.cfg, self.cluster, self.achievable = cfg, cluster, achievable
+    self.pipeline_recomputes = True  # meshtrain's pipeline does; a published run may not
     self.model_cfg = model_config(cfg)
     self.spec = llama_spec(self.model_cfg)
     m = cfg.model
@@ -197,11 +203,12 @@ class StepModel:
                        if x.ndim > 2)  # stacked matrices, not norm scales
     self.layer_forward = 2 * layer_params + 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.attention_forward = 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
-    self.activations = _ActivationModel(cfg)
+    self.activations = _ActivationModel(cfg, cluster.flash_attention)
 
   def recompute_per_token(self, c: Candidate) -> float:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
-    if c.sizes["pipeline"] > 1:  # B recomputes its chunk (but the last one's F computes nothing)
+    if c.sizes["pipeline"] > 1 and self.pipeline_recomputes:
+      # meshtrain's B recomputes its chunk (the last chunk's F computes nothing)
       forwards += 1 - 1 / (c.sizes["pipeline"] * c.virtual_stages)
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
 
@@ -308,8 +315,10 @@ def candidates(cfg, devices: int, cluster: Cluster):
           for chunks in (1, 2, 4):
             if m.num_layers % (pipeline * chunks):
               continue
-            for micro in {rows, rows // 2}:
-              if micro >= pipeline and rows % micro == 0 and (chunks == 1 or micro % pipeline == 0):
+            # Up to 4p microbatches: the bubble is then under 1/(4v+1), and
+            # more only shrink each microbatch.
+            for micro in (k * pipeline for k in (1, 2, 4)):
+              if rows % micro == 0:
                 yield Candidate(**base, microbatches=micro, virtual_stages=chunks)
 
 
@@ -344,9 +353,10 @@ def rank_of(results: list[Estimate], c: Candidate) -> int | None:
 
 def check_published(run) -> dict:
   """A published run (`meshtrain.analysis.published`) through the planner: the
-  rank of its mesh among everything that fits, the predicted TFLOP/s per
-  device of its configuration (counting recomputation where the publication
-  does), and the planner's own first choice."""
+  rank of its mesh among everything that fits (as meshtrain would run it),
+  the predicted TFLOP/s per device of its configuration as published (its
+  recomputation, counted where the publication counts it), and the planner's
+  own first choice."""
   cfg, cluster = run.config(), clusters.load(run.cluster)
   results, fitting, model = search(cfg, run.devices, cluster, top=10**9)
   sizes = {a: run.mesh.get(a, 1) for a in AXES}
@@ -358,6 +368,8 @@ def check_published(run) -> dict:
                              tensor_sequence_parallel=sizes["tensor"] > 1)
   else:
     as_published = results[rank - 1].candidate
+  # As the publication ran it: its recomputation, none of meshtrain's own in the pipeline.
+  model.pipeline_recomputes = False
   mine = model.estimate(dataclasses.replace(as_published, remat=run.remat))
   published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
