@@ -52,11 +52,17 @@ def test_a_1024_device_70b_search_takes_under_30_cpu_seconds():
 
 @pytest.mark.parametrize("run", published.RUNS, ids=lambda run: run.name)
 def test_published_runs(run):
-  """docs/planner.md: the published mesh ranks in the top 5 or its note says
-  why not; the predicted TFLOP/s per device is within 25% of the published."""
-  check = search.check_published(run)
-  assert check["rank"] is not None and check["rank"] <= 5 or run.note, check["rank"]
-  assert check["predicted_tflops"] == pytest.approx(check["published_tflops"], rel=0.25)
+  """docs/planner.md: the predicted TFLOP/s per device of the published
+  configuration is within 25% of the published figure (unless the row says
+  why not); on up to 256 devices the published mesh ranks in the top 5 or
+  its note says why not (bench/planner_validation.py ranks the large ones)."""
+  check = search.check_published(run, rank=run.devices <= 256)
+  if run.devices <= 256:
+    assert check["rank"] is not None and check["rank"] <= 5 or run.note, check["rank"]
+  if not run.miss:
+    assert check["predicted_tflops"] == pytest.approx(check["published_tflops"], rel=0.25)
+  else:
+    assert check["predicted_tflops"] > 1.25 * check["published_tflops"]  # the miss still holds
 
 
 def plan(*args):

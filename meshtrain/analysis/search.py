@@ -351,26 +351,33 @@ def rank_of(results: list[Estimate], c: Candidate) -> int | None:
   return None
 
 
-def check_published(run) -> dict:
+def check_published(run, rank: bool = True) -> dict:
   """A published run (`meshtrain.analysis.published`) through the planner: the
   rank of its mesh among everything that fits (as meshtrain would run it),
   the predicted TFLOP/s per device of its configuration as published (its
   recomputation, counted where the publication counts it), and the planner's
-  own first choice."""
+  own first choice. Without `rank` no search runs (rank, first: None)."""
   cfg, cluster = run.config(), clusters.load(run.cluster)
-  results, fitting, model = search(cfg, run.devices, cluster, top=10**9)
+  if rank:
+    results, fitting, model = search(cfg, run.devices, cluster, top=10**9)
+  else:  # only the published configuration's prediction
+    results, fitting, model = [], None, StepModel(cfg, cluster)
   sizes = {a: run.mesh.get(a, 1) for a in AXES}
   rank = next((i for i, e in enumerate(results, 1) if e.candidate.sizes == sizes), None)
-  if rank is None:  # does not fit, or meshtrain does not run it: as published
-    rows = cfg.global_batch // (sizes["data"] * sizes["fsdp"])
-    as_published = Candidate(tuple(sizes.items()), zero_stage=0,
-                             microbatches=rows if sizes["pipeline"] > 1 else 1,
-                             tensor_sequence_parallel=sizes["tensor"] > 1)
-  else:
-    as_published = results[rank - 1].candidate
-  # As the publication ran it: its recomputation, none of meshtrain's own in the pipeline.
+  # As the publication ran it: its recomputation, none of meshtrain's own in
+  # the pipeline; its schedule the fastest the mesh allows.
   model.pipeline_recomputes = False
-  mine = model.estimate(dataclasses.replace(as_published, remat=run.remat))
+  if rank is None:  # does not fit, or meshtrain does not run it
+    rows = cfg.global_batch // (sizes["data"] * sizes["fsdp"])
+    p, layers = sizes["pipeline"], cfg.model.num_layers
+    schedules_ = [(rows if p > 1 else 1, v) for v in (1, 2, 4)
+                  if layers % (p * v) == 0 and (v == 1 or rows % p == 0)]
+    mine = min((model.estimate(Candidate(tuple(sizes.items()), remat=run.remat,
+                                         microbatches=m, virtual_stages=v,
+                                         tensor_sequence_parallel=sizes["tensor"] > 1))
+                for m, v in schedules_), key=lambda e: e.step_s)
+  else:
+    mine = model.estimate(dataclasses.replace(results[rank - 1].candidate, remat=run.remat))
   published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
   def tflops(e):
