@@ -13,7 +13,8 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
-from meshtrain.analysis.plan import plan  # noqa: E402
+from meshtrain.analysis.plan import abstract_mesh, plan, residual_bytes  # noqa: E402
+from meshtrain.train.setup import sharding_rules  # noqa: E402
 from meshtrain.config import load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,36 @@ def configs():
     yield f"small, tp_sp, remat={remat}", cfg
 
 
+def layer_sbh(remat: str, tensor: int, sp: bool) -> float:
+  """What one llama_8b-shaped layer saves (s=4096, b=1, bf16), in units of
+  s·b·h bytes: the 2-layer model's residuals less the 1-layer model's."""
+  cfg = load(REPO / "configs" / "llama_8b.py")
+  cfg.update(seq_len=4096, global_batch=1, remat=remat, tensor_sequence_parallel=sp)
+  cfg.attention.implementation = "xla"
+  cfg.mesh.update(data=1, tensor=tensor)
+  mesh = abstract_mesh(cfg.mesh, tensor)
+  rules = sharding_rules(cfg, mesh)
+  one, two = (residual_bytes(cfg, mesh, rules, layers=n, rows=1, remat=remat) for n in (1, 2))
+  return (two - one) / (cfg.seq_len * cfg.model.embed_dim)
+
+
+def layer_table() -> str:
+  """Per-layer saved bytes beside Korthikanti et al.'s GPT formulas (a = 32 heads,
+  s = 4096, h = 4096: 5as/h = 160)."""
+  megatron = {("none", 1, False): 34 + 160, ("none", 8, False): 10 + 24 / 8 + 160 / 8,
+              ("none", 8, True): 34 / 8 + 160 / 8, ("selective", 1, False): 34,
+              ("selective", 8, False): 10 + 24 / 8, ("selective", 8, True): 34 / 8,
+              ("full", 1, False): 2, ("full", 8, False): 2, ("full", 8, True): 2 / 8}
+  lines = ["| remat | tensor | sequence parallel | meshtrain (sbh) | Megatron GPT formula (sbh) |",
+           "|---|---|---|---|---|"]
+  for (remat, tensor, sp), formula in megatron.items():
+    lines.append(f"| {remat} | {tensor} | {sp} | {layer_sbh(remat, tensor, sp):.1f} | {formula:.1f} |")
+  return "\n".join(lines)
+
+
 def main():
+  write_section("layer_residuals", [], layer_table(), command="python bench/plan_memory.py",
+                doc=REPO / "docs" / "memory_plan.md")
   rows, table = [], [
       "| config | params | grads | optimizer | activations | analytic total | "
       "measured arguments | measured temp | measured total | analytic / measured |",

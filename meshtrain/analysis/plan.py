@@ -234,7 +234,7 @@ def llama_loss(spec):
   return loss_fn
 
 
-def _residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
+def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences."""
   model_cfg = dataclasses.replace(model_config(cfg), num_layers=layers, remat=remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
@@ -269,9 +269,9 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
     stash = (table.num_act_slots * per_device_rows * length * m.embed_dim
              * jnp.dtype(cfg.compute_dtype).itemsize)
-  saved = _residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat=cfg.remat)
+  saved = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat=cfg.remat)
   if cfg.remat != "none":  # one layer's recomputed residuals, live during its backward
-    everything = _residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat="none")
+    everything = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat="none")
     saved += (everything - saved) // layers
   return stash + saved
 
