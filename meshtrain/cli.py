@@ -5,6 +5,7 @@
   meshtrain verify --config configs/fsdp.py:tiny --config.simulate_devices=8
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from ml_collections import config_flags
 import meshtrain.config
 from meshtrain import distributed, generate, launch, validate, workdir as saved_run
 from meshtrain.analysis import selfcheck
+from meshtrain.analysis import clusters, search
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
@@ -45,6 +47,15 @@ _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and 
                              "and collectives (on --devices simulated CPU devices if set)")
 _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (default: the "
                                 "config's simulate_devices, else the devices present)")
+_SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
+                            "microbatches for --devices of --cluster, fastest first")
+_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset (h100, h200, a100_80gb, "
+                               "b200, tpu_v5p) or a JSON file with the same fields")
+_TOP = flags.DEFINE_integer("top", 5, "plan --search: how many configurations to print")
+_GLOBAL_BATCH = flags.DEFINE_integer("global_batch", None, "plan --search: sequences per step "
+                                     "(default: the config's)")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "plan --search: tokens per sequence "
+                                "(default: the config's)")
 _STAGES = flags.DEFINE_integer("stages", 4, "schedule: pipeline stages")
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "schedule: microbatches per step")
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "schedule: which one")
@@ -136,6 +147,9 @@ def plan_command(argv: list[str]) -> None:
   cfg = checked_config()
   if _DEVICES.value is not None and _DEVICES.value < 1:
     raise ConfigError("--devices", f"is {_DEVICES.value}; give the number of devices to plan for")
+  if _SEARCH.value:
+    _search(cfg)
+    return
   if _COMPILE.value and _DEVICES.value:
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
@@ -154,6 +168,27 @@ def _costs(text: str) -> tuple[float, float, float]:
     raise ConfigError("--costs", f"{text!r} is not three costs F,B,W (F > 0, B and W >= 0), "
                       "e.g. --costs=1,1,1")
   return costs
+
+
+def _search(cfg) -> None:
+  if not _DEVICES.value or _DEVICES.value < 1:
+    raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
+                      "e.g. --devices 1024")
+  with cfg.unlocked():
+    cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
+    cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
+  cluster = clusters.load(_CLUSTER.value)
+  config_arg = f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}"
+  results, fitting, _ = search.search(cfg, _DEVICES.value, cluster, _TOP.value)
+  if _JSON.value:
+    print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": _DEVICES.value,
+                      "fitting": fitting, "achievable": search.ACHIEVABLE,
+                      "results": [e.as_dict(config_arg) for e in results]}, indent=2))
+  elif not results:
+    print(f"nothing fits: no mesh of {_DEVICES.value} x {cluster.name} holds this model at "
+          f"global_batch={cfg.global_batch}, seq_len={cfg.seq_len}")
+  else:
+    print(search.format_search(results, fitting, cluster, _DEVICES.value, config_arg))
 
 
 def schedule_command(argv: list[str]) -> None:

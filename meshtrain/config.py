@@ -21,6 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.grad_accum_steps = 1        # microbatches per step; divides global_batch / (data * fsdp)
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
   c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
+  c.grad_dtype = "float32"      # gradients and their accumulator: float32 or bfloat16 (2 bytes/param, as ZeRO counts)
   c.remat = "none"              # activation recomputation per layer: none | full | selective
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
   c.zero_stage = 0              # over `data`: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + weights

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.analysis import selfcheck
+from meshtrain.analysis import plan
 from meshtrain.models.patterns import Patterns, names_by_path
 from meshtrain.train.state import ModelSpec, TrainState, init_state, nnx_spec, state_shardings
 from meshtrain.train.step import TrainStep
@@ -91,6 +92,7 @@ class Trainer:
     warns (`strict=True`: raises ConfigError).
     """
     self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
+    self.loss_fn, self.param_dtype = loss_fn, param_dtype
     strategy = r.strategy_rules(mesh, zero_stage,
                                 split_kv_heads=_kv_heads_split(spec, mesh.shape["tensor"]))
     self.rules = r.with_names(strategy, rules or {})
@@ -140,6 +142,11 @@ class Trainer:
   def model(self, state: TrainState) -> nnx.Module:
     """The NNX module with the state's weights (sharded as they are), e.g. to evaluate."""
     return nnx.merge(self.spec.graphdef, state.params)
+
+  def plan(self, batch: dict) -> dict:
+    """Per-device memory of the step on batches shaped like `batch`, activations
+    read from the model (`meshtrain.analysis.plan.trainer_plan`); nothing runs."""
+    return plan.trainer_plan(self, batch)
 
   def param_shardings(self) -> Any:
     """NamedShardings of the weights as forward and backward use them."""

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import micro_config
 from meshtrain.analysis import hlo, trace
-from meshtrain.analysis.plan import abstract_mesh, activation_bytes, analytic
+from meshtrain.analysis.plan import abstract_mesh, activation_bytes, analytic, compile_step
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
-from meshtrain.train.setup import build
+from meshtrain.train.setup import build, sharding_rules
 
 STRATEGIES = {
     "tp": dict(mesh=dict(data=2, tensor=4)),
@@ -69,11 +69,41 @@ def test_activation_traffic_matches_the_analytic_model(strategy):
 
 
 def test_flash_attention_stores_no_scores():
-  """Korthikanti et al.'s 5·a·s²·b bytes per layer (2-byte activations) are
-  the attention scores, softmax and dropout mask; cuDNN's flash attention
-  keeps none of them."""
+  """XLA's attention keeps the [batch, heads, length, length] scores for the
+  backward (at least one float32 copy per layer); cuDNN's flash attention none."""
   xla, cudnn = (micro_config(**{"attention.implementation": impl}) for impl in ("xla", "cudnn"))
-  one_device = abstract_mesh(xla.mesh, 1)
+  mesh = abstract_mesh(xla.mesh, 8)
+  rules = sharding_rules(xla, mesh)
   m = xla.model
-  assert (activation_bytes(xla, one_device) - activation_bytes(cudnn, one_device) ==
-          m.num_layers * 5 * m.num_heads * xla.seq_len**2 * xla.global_batch)
+  per_device_scores = 4 * xla.global_batch // 8 * m.num_heads * xla.seq_len**2
+  dropped = activation_bytes(xla, mesh, rules) - activation_bytes(cudnn, mesh, rules)
+  assert dropped >= m.num_layers * per_device_scores
+
+
+def test_zero1_and_zero2_are_one_program_without_accumulation():
+  """At grad_accum_steps=1 the `grads` rules lay out nothing (no accumulator),
+  so ZeRO-1 and ZeRO-2 compile to the same program, and plan gives them the
+  same bytes (it gave ZeRO-2 sharded gradients that the program never has)."""
+  reports, programs = {}, {}
+  for stage in (1, 2):
+    cfg = micro_config(**{"mesh.data": 8, "zero_stage": stage})
+    setup = build(cfg)
+    reports[stage] = analytic(cfg, setup.spec, setup.rules, setup.mesh)["memory_bytes"]
+    programs[stage] = compile_step(setup).as_text()
+  assert programs[1] == programs[2]
+  assert reports[1] == reports[2]
+
+
+def test_grad_dtype_halves_the_accumulator_in_plan_and_compiled_step():
+  """bfloat16 gradients: the per-replica accumulator (data parallel with
+  accumulation) takes half the bytes; the plan's drop matches the compiled one."""
+  plans, temps = {}, {}
+  for dtype in ("float32", "bfloat16"):
+    cfg = micro_config(**{"mesh.data": 8, "grad_accum_steps": 2, "grad_dtype": dtype,
+                          "model.embed_dim": 64, "model.mlp_dim": 256})
+    setup = build(cfg)
+    plans[dtype] = analytic(cfg, setup.spec, setup.rules, setup.mesh)["memory_bytes"]["grads"]
+    temps[dtype] = hlo.memory_bytes(compile_step(setup))["temp"]
+  assert plans["bfloat16"] * 2 == plans["float32"]
+  assert temps["float32"] - temps["bfloat16"] == pytest.approx(
+      plans["float32"] - plans["bfloat16"], rel=0.10)

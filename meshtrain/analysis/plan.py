@@ -14,27 +14,31 @@ The analytic model follows each weight through the three layouts of
 axes a weight is split over (`tensor`) stay split in compute. Activations move
 too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
 under `sequence`, the pipeline's sends between stages. Bytes follow the ring
-convention of `meshtrain.analysis.hlo`. Activations use Korthikanti et
-al.'s per-layer formula (bytes for 2-byte activations, scaled to
-`compute_dtype`; no attention scores under cuDNN's flash attention), plus the
-float32 logits and their gradient.
+convention of `meshtrain.analysis.hlo`. Activations are what the model itself
+saves for its backward (`meshtrain.analysis.residuals`: the residuals of
+`jax.vjp` on abstract values, each in its layout on the mesh), embedding, head
+and logits included; docs/memory_plan.md sets them beside Korthikanti et
+al.'s formulas.
 """
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import hlo
+from meshtrain.analysis import hlo, residuals
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.parallel import local_sgd, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import setup as setup_lib
+from meshtrain.train.loss import cross_entropy
 from meshtrain.train.state import llama_spec, model_config
 
 BATCH_AXES = ("data", "fsdp")
@@ -80,10 +84,11 @@ class _Comm:
             for (k, a), (c, b) in sorted(self.totals.items())]
 
 
-def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
-  """Per-device memory (bytes) and per-step collectives of the train step."""
+def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None) -> dict:
+  """Per-device memory (bytes) and per-step collectives of the train step;
+  `activations` replaces the traced activation bytes (the search scales its own)."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
-  act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
+  grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
   batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
   # Gradients are summed over every axis that splits the tokens.
@@ -98,14 +103,18 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
     p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
     compute = leaf.size / _prod(p_axes - batch_axes, mesh)   # elements one device computes with
     working, master = compute / _prod(p_axes & batch_axes, mesh), leaf.size / _prod(o_axes, mesh)
-    grads = compute / _prod(g_axes & batch_axes, mesh)
+    # With one microbatch nothing accumulates: each layer's gradients go straight
+    # into the optimizer layout (XLA reduce-scatters them inside the backward's
+    # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
+    # only lay out an accumulator.
+    grads = compute / _prod((g_axes if accum > 1 else o_axes) & batch_axes, mesh)
     if cfg.param_dtype == "float32" and p_axes == o_axes:  # the working copy is the master
       memory["params"] += 4 * master
       memory["optimizer"] += 8 * master
     else:
       memory["params"] += param_bytes * working
       memory["optimizer"] += 12 * master
-    memory["grads"] += 4 * grads
+    memory["grads"] += grad_bytes * grads
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
     layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
@@ -115,15 +124,12 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh) -> dict:
              accum * layers)
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
-    grad_bytes = (4 if per_replica else param_bytes) * grads
-    comm.add("reduce-scatter", rest & o_axes, grad_bytes, mesh, reductions)
-    comm.add("all-reduce", rest - o_axes, grad_bytes / _prod(rest & o_axes, mesh), mesh,
-             reductions)
+    reduced = (grad_bytes if per_replica else param_bytes) * grads
+    comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
+    comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
-  memory["activations"] = activation_bytes(cfg, mesh) * act_bytes / 2
-  b = cfg.global_batch // accum // _prod(batch_axes, mesh)
-  s = cfg.seq_len // mesh.shape["sequence"]
-  memory["activations"] += 2 * 4 * b * s * m.vocab_size / mesh.shape["tensor"]  # logits + grad
+  memory["activations"] = (activation_bytes(cfg, mesh, rules) if activations is None
+                           else activations)
   _activation_traffic(cfg, mesh, comm)
   collectives = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
@@ -174,8 +180,8 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if stages > 1:
-    ticks = schedules.build(cfg.pipeline.schedule, stages, microbatches,
-                            cfg.pipeline.virtual_stages).num_ticks
+    ticks = schedule_table(cfg.pipeline.schedule, stages, microbatches,
+                           cfg.pipeline.virtual_stages).num_ticks
     sent = activation / (t if cfg.tensor_sequence_parallel else 1)
     comm.add("collective-permute", {"pipeline"}, sent, mesh, 2 * ticks * cfg.grad_accum_steps)
 
@@ -207,6 +213,12 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
              2 * passes)
 
 
+@functools.cache
+def schedule_table(name: str, stages: int, microbatches: int, chunks: int) -> schedules.Schedule:
+  """A pipeline schedule, built once (a search asks for the same ones often)."""
+  return schedules.build(name, stages, microbatches, chunks)
+
+
 def _gathers(names, cfg) -> int:
   """How often a step gathers a weight split over batch axes (what XLA does):
   a stacked layer weight per layer and microbatch, forward and backward and
@@ -219,23 +231,83 @@ def _gathers(names, cfg) -> int:
   return 1 if lookup_only or cfg.grad_accum_steps > 1 else 2
 
 
-def activation_bytes(cfg, mesh) -> float:
-  """Korthikanti et al. (2022), bytes per device for 2-byte activations, all layers."""
-  m = cfg.model
-  b = cfg.global_batch // cfg.grad_accum_steps // _prod(
-      [a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
-  s, h, a, t = cfg.seq_len // mesh.shape["sequence"], m.embed_dim, m.num_heads, mesh.shape["tensor"]
-  sbh = s * b * h
-  sp = cfg.tensor_sequence_parallel
-  stored = 34 / t if sp else 10 + 24 / t          # norms, residuals, matmul inputs, MLP
-  # Scores, softmax and dropout mask; cuDNN's flash attention stores none of them.
-  flash = mesh.shape["sequence"] == 1 and model_config(cfg).attention_implementation == "cudnn"
-  attention = 0 if flash else 5 * a * s / (h * t)
-  if cfg.remat == "full":   # the layer inputs, plus one layer being recomputed
-    return 2 * sbh / (t if sp else 1) * m.num_layers + sbh * (stored + attention)
-  if cfg.remat == "selective":
-    return sbh * stored * m.num_layers
-  return sbh * (stored + attention) * m.num_layers
+def llama_loss(spec):
+  """The train step's loss of meshtrain's Llama, `loss(params, batch)`."""
+  def loss_fn(params, batch):
+    return cross_entropy(nnx.merge(spec.graphdef, params)(batch["inputs"]), batch["targets"])
+  return loss_fn
+
+
+def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
+  """Per-device bytes the Llama with `layers` layers saves on `rows` sequences."""
+  model_cfg = dataclasses.replace(model_config(cfg), num_layers=layers, remat=remat)
+  # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
+  # the [.., length, length] scores, which flash attention never stores.
+  flash = model_cfg.attention_implementation == "cudnn" and mesh.shape["sequence"] == 1
+  spec = llama_spec(dataclasses.replace(model_cfg, attention_implementation="xla"))
+  batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+  saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
+                                    mesh, rules)
+  return sum(x.device_bytes for x in saved
+             if not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
+
+
+def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
+  """Peak bytes per device of what the backward needs: the residuals the
+  model saves (`meshtrain.analysis.residuals`), and while one layer's backward
+  runs under recomputation, what that layer recomputes.
+
+  A pipeline stage holds the schedule's stash of chunk inputs, and while a
+  backward runs (it recomputes the chunk, `meshtrain.train.pipelined`) one
+  microbatch's residuals of a chunk, with embedding and head.
+  """
+  m, stages = cfg.model, mesh.shape["pipeline"]
+  rows = cfg.global_batch // cfg.grad_accum_steps
+  layers = m.num_layers
+  stash = 0
+  if stages > 1:
+    p = cfg.pipeline
+    table = schedule_table(p.schedule, stages, p.microbatches, p.virtual_stages)
+    rows, layers = rows // p.microbatches, layers // (stages * p.virtual_stages)
+    per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
+    length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
+    stash = (table.num_act_slots * per_device_rows * length * m.embed_dim
+             * jnp.dtype(cfg.compute_dtype).itemsize)
+  saved = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat=cfg.remat)
+  if cfg.remat != "none":  # one layer's recomputed residuals, live during its backward
+    everything = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat="none")
+    saved += (everything - saved) // layers
+  return stash + saved
+
+
+def _device_bytes(abstract, shardings) -> int:
+  return sum(math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def trainer_plan(trainer, batch: dict) -> dict:
+  """Per-device memory of any model's train step (`Trainer.plan`): the state
+  from its shardings, the working weights and float32 gradients in the
+  compute layout, and the residuals the model saves for its backward on
+  `batch` (arrays or ShapeDtypeStructs: only shapes are read)."""
+  abstract_state = jax.eval_shape(trainer.init)
+  working = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(trainer.param_dtype)),
+                         trainer.spec.abstract_params)
+  grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                       trainer.spec.abstract_params)
+  compute = trainer.param_shardings()
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+  saved = residuals.saved_residuals(trainer.loss_fn, trainer.spec.abstract_params,
+                                    trainer.spec.names, batch, trainer.mesh.abstract_mesh,
+                                    trainer.rules)
+  memory = {"params": _device_bytes(abstract_state.params, trainer.shardings.params),
+            "optimizer": _device_bytes(abstract_state.opt_state, trainer.shardings.opt_state),
+            "grads": _device_bytes(grads, compute),
+            "activations": sum(x.device_bytes for x in saved)}
+  if trainer.param_dtype != "float32":
+    memory["params"] += _device_bytes(working, compute)
+  memory["total"] = sum(memory.values())
+  return {"memory_bytes": memory, "residuals": [dataclasses.asdict(x) for x in saved]}
 
 
 def compile_step(setup) -> jax.stages.Compiled:

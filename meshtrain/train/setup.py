@@ -58,6 +58,7 @@ def validate(cfg, mesh: Mesh) -> None:
   """Checks the config against the mesh before anything is compiled."""
   _check_choice("config.param_dtype", cfg.param_dtype, DTYPES)
   _check_choice("config.compute_dtype", cfg.compute_dtype, DTYPES)
+  _check_choice("config.grad_dtype", cfg.grad_dtype, DTYPES)
   _check_choice("config.remat", cfg.remat, REMAT)
   _check_choice("config.zero_stage", cfg.zero_stage, r.ZERO_STAGES)
   _check_choice("config.nan_policy", cfg.nan_policy, NAN_POLICIES)
@@ -163,6 +164,6 @@ def build(cfg, devices=None) -> Setup:
     return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step, loss_fn)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
-                   schedule=schedule, grads_fn=grads_fn, nan_policy=cfg.nan_policy,
-                   loss_scale_period=cfg.loss_scale.period)
+                   grad_dtype=cfg.grad_dtype, schedule=schedule, grads_fn=grads_fn,
+                   nan_policy=cfg.nan_policy, loss_scale_period=cfg.loss_scale.period)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)

@@ -4,7 +4,7 @@ Precision: the state holds float32 master weights; forward and backward run on
 a copy cast to `param_dtype` and laid out by the `params` rules (under ZeRO-1/2
 that layout change is the parameter all-gather), activations in
 `compute_dtype`, logits and loss in float32. Gradients are accumulated in
-float32 in the layout of the `grads` rules.
+`grad_dtype` (float32 by default) in the layout of the `grads` rules.
 """
 
 import contextlib
@@ -56,9 +56,9 @@ class TrainStep:
   def __init__(self, loss_fn: LossFn, names, optimizer: optax.GradientTransformation,
                mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
                grad_accum_steps: int = 1, param_dtype: str = "float32",
-               schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
-               nan_policy: str = "stop", replicas: int | None = None,
-               loss_scale_period: int = 2000):
+               grad_dtype: str = "float32", schedule: optax.Schedule | None = None,
+               grads_fn: GradsFn | None = None, nan_policy: str = "stop",
+               replicas: int | None = None, loss_scale_period: int = 2000):
     """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
     names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
     replaces the differentiation of `loss_fn` (the pipeline brings its own);
@@ -99,7 +99,7 @@ class TrainStep:
       else:  # the backward pass starts from `scale`, not 1
         loss, backward = jax.vjp(lambda p: loss_fn(p, batch), params)
         grads, = backward(scale.astype(loss.dtype))
-      return loss, _cast(grads, jnp.float32)
+      return loss, _cast(grads, grad_dtype)
 
     def replica_value_and_grad(params, batch: Batch, scale=None):
       """Per-replica losses [data] and gradients [data, ...], not yet summed."""
@@ -111,7 +111,7 @@ class TrainStep:
 
     def accumulated(params, batch: Batch, scale=None):
       """Mean loss and gradient over `grad_accum_steps` microbatches, summed in
-      float32 in the `grads` layout."""
+      `grad_dtype` in the `grads` layout."""
       lead = (replicas,) if per_replica else ()
       specs = jax.tree.map(lambda s: P("data", *s) if per_replica else s, grad_specs)
       grads_fn = replica_value_and_grad if per_replica else value_and_grad
@@ -122,7 +122,7 @@ class TrainStep:
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
       zeros = jax.lax.with_sharding_constraint(
-          jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params), specs)
+          jax.tree.map(lambda p: jnp.zeros(lead + p.shape, grad_dtype), params), specs)
       (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros),
                                       split_microbatches(batch, grad_accum_steps))
       count = grad_accum_steps * (replicas if per_replica else 1)

@@ -1,0 +1,53 @@
+"""The planner against published training runs: writes docs/planner.md's table.
+
+  python bench/planner_validation.py
+
+For each run of `meshtrain.analysis.published`: the rank of the published mesh
+among every configuration that fits, its predicted TFLOP/s per device beside
+the published figure, and the planner's own first choice.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+from meshtrain.analysis import published, search
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from report import write_section  # noqa: E402
+
+
+def mesh_text(sizes: dict) -> str:
+  return " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
+
+
+def main():
+  rows, table = [], [
+      "| run | devices | published mesh | rank (of fitting) | published TFLOP/s | "
+      "predicted | predicted / published | planner's first choice | its prediction |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for run in published.RUNS:
+    start = time.process_time()
+    check = search.check_published(run)
+    first = check["first"]
+    rows.append({"run": run.name, "rank": check["rank"], "fitting": check["fitting"],
+                 "published_tflops": check["published_tflops"],
+                 "predicted_tflops": check["predicted_tflops"],
+                 "first": first.as_dict() if first else None,
+                 "search_cpu_s": time.process_time() - start})
+    choice = (f"{mesh_text(first.candidate.sizes)}, remat {first.candidate.remat}"
+              if first else "nothing fits")
+    rank = f"{check['rank']} of {check['fitting']}" if check["rank"] else f"- ({run.note or 'does not fit'})"
+    table.append(
+        f"| {run.name} | {run.devices:,} {run.cluster} | {mesh_text(dict(run.mesh))}, remat "
+        f"{run.remat} | {rank} | {check['published_tflops']:.0f} | "
+        f"{check['predicted_tflops']:.0f} | {check['predicted_tflops'] / check['published_tflops']:.2f} | "
+        f"{choice} | {check['first_tflops'] or 0:.0f} |")
+    print(table[-1], flush=True)
+  write_section("planner_validation", rows, "\n".join(table),
+                command="python bench/planner_validation.py", doc=REPO / "docs" / "planner.md")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,67 @@
+"""Accelerator clusters for `meshtrain plan --search`: what one device computes,
+holds and sends, and how many share a host (`--cluster NAME` or `--cluster FILE.json`).
+
+Bandwidths are per device and per direction, as a ring collective uses them:
+`intra_host` over NVLink (or ICI), `inter_host` over the device's share of the
+host's network (InfiniBand/RoCE NICs, or ICI across a TPU slice's hosts).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+from meshtrain.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  name: str
+  peak_flops: float        # dense bf16 FLOP/s of one device
+  hbm_bytes: float         # memory of one device
+  intra_host: float        # bytes/s per device and direction inside a host
+  inter_host: float        # bytes/s per device and direction across hosts
+  devices_per_host: int
+  usable_memory: float = 0.9  # share of HBM a step may plan for (allocator, runtime, fragmentation)
+  flash_attention: bool = True  # attention keeps no [length, length] scores (cuDNN's on NVIDIA GPUs)
+
+
+PRESETS = {
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4
+    # 900 GB/s bidirectional (450 per direction); DGX H100: 8 GPUs and 8
+    # ConnectX-7 400 Gb/s NICs (50 GB/s per GPU).
+    "h100": Cluster("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 8),
+    # NVIDIA H200 SXM datasheet: same compute and NVLink as the H100, 141 GB
+    # HBM3e; HGX H200 with one 400 Gb/s NIC per GPU.
+    "h200": Cluster("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 8),
+    # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e, NVLink 3
+    # 600 GB/s bidirectional; DGX A100 (Selene, Megatron-LM's runs): 8 GPUs
+    # and 8 HDR 200 Gb/s NICs (25 GB/s per GPU).
+    "a100_80gb": Cluster("a100_80gb", 312e12, 80 * GB, 300 * GB, 25 * GB, 8),
+    # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense training over 8 GPUs, so
+    # 4.5 FP8 and 2.25 PFLOP/s dense BF16 per GPU; 1,440 GB HBM3e (180 GB per
+    # GPU); NVLink 5 1.8 TB/s bidirectional; 8 ConnectX-7 400 Gb/s NICs.
+    "b200": Cluster("b200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8),
+    # Google Cloud TPU v5p documentation: 459 TFLOP/s BF16, 95 GB HBM2e, ICI
+    # 4,800 Gbps per chip over 6 links of a 3D torus (100 GB/s per link and
+    # direction; a ring along one torus axis uses 2 links), 4 chips per host.
+    # Inside a slice the hosts are joined by the same ICI.
+    "tpu_v5p": Cluster("tpu_v5p", 459e12, 95 * GB, 200 * GB, 200 * GB, 4, flash_attention=False),
+}
+
+
+def load(name_or_path: str) -> Cluster:
+  """A preset by name, or a JSON file with the fields of `Cluster`."""
+  if name_or_path in PRESETS:
+    return PRESETS[name_or_path]
+  path = Path(name_or_path)
+  if not path.suffix == ".json" or not path.is_file():
+    raise ConfigError("--cluster", f"{name_or_path!r} is neither a preset "
+                      f"({', '.join(PRESETS)}) nor a JSON file")
+  try:
+    fields = json.loads(path.read_text())
+    return Cluster(**{"name": path.stem, **fields})
+  except (json.JSONDecodeError, TypeError) as error:
+    names = ", ".join(f.name for f in dataclasses.fields(Cluster))
+    raise ConfigError("--cluster", f"{path}: {error}; give an object with {names}") from None
