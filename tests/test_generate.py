@@ -3,6 +3,7 @@ new token, on one device and under tensor parallelism; the same greedy tokens as
 transformers' `generate`; sampling draws from the distribution it claims."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -42,12 +43,15 @@ def recomputed_greedy(graphdef, params, prompts, new_tokens):
 
 @pytest.mark.parametrize("mesh", [dict(data=1), dict(data=4, tensor=2)],
                          ids=["one_device", "data4_tensor2"])
-def test_cached_greedy_equals_recomputing_the_prefix(mesh):
+def test_cached_greedy_equals_recomputing_the_prefix(mesh, caplog):
   cfg = micro_config(**{f"mesh.{axis}": size for axis, size in mesh.items()})
   setup = build(cfg, jax.devices()[:1] if mesh == dict(data=1) else jax.devices())
   params = setup.init_state().params
   generator = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules)
-  got = generator(PROMPTS, 10, GREEDY)
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    got = generator(PROMPTS, 10, GREEDY)
+  compiled = [m.split()[1] for m in caplog.messages if m.startswith("Compiling jit(")]
+  assert compiled.count("jit(prefill)") == compiled.count("jit(decode)") == 1  # 9 decode steps
   assert got == recomputed_greedy(setup.spec.graphdef, params, PROMPTS, 10)
   assert len({tuple(tokens) for tokens in got}) == 3  # not a degenerate model
 
