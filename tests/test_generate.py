@@ -14,7 +14,8 @@ import torch
 from flax import nnx
 
 from conftest import micro_config
-from meshtrain import generate
+from meshtrain import generate, workdir as saved_run
+from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.importer import import_hf
 from meshtrain.hf.load import load_params
@@ -112,3 +113,15 @@ def test_generate_command_prints_json_per_prompt_and_refuses_a_missing_workdir(t
   assert missing.stderr.strip().splitlines() == [
       "error: --workdir: nowhere has no config.json; give a workdir that `meshtrain train` or "
       "`meshtrain import-hf` wrote"]
+
+
+def test_a_workdir_without_the_checkpoint_asked_for_is_refused(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(micro_config().to_dict()))
+  with pytest.raises(ConfigError, match="holds no checkpoint") as error:
+    saved_run.checkpoint_step(tmp_path, None)
+  assert error.value.key == "--workdir"
+  (tmp_path / "checkpoints/5").mkdir(parents=True)
+  assert saved_run.checkpoint_step(tmp_path, None) == 5
+  with pytest.raises(ConfigError, match=r"no checkpoint of step 3; it has \[5\]") as error:
+    saved_run.checkpoint_step(tmp_path, 3)
+  assert error.value.key == "--step"
