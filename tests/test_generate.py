@@ -3,6 +3,7 @@ new token, on one device and under tensor parallelism; the same greedy tokens as
 transformers' `generate`; sampling draws from the distribution it claims."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import torch
 from flax import nnx
 
 from conftest import micro_config
-from meshtrain import generate
+from meshtrain import generate, workdir as saved_run
+from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.importer import import_hf
 from meshtrain.hf.load import load_params
@@ -42,12 +44,15 @@ def recomputed_greedy(graphdef, params, prompts, new_tokens):
 
 @pytest.mark.parametrize("mesh", [dict(data=1), dict(data=4, tensor=2)],
                          ids=["one_device", "data4_tensor2"])
-def test_cached_greedy_equals_recomputing_the_prefix(mesh):
+def test_cached_greedy_equals_recomputing_the_prefix(mesh, caplog):
   cfg = micro_config(**{f"mesh.{axis}": size for axis, size in mesh.items()})
   setup = build(cfg, jax.devices()[:1] if mesh == dict(data=1) else jax.devices())
   params = setup.init_state().params
   generator = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules)
-  got = generator(PROMPTS, 10, GREEDY)
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    got = generator(PROMPTS, 10, GREEDY)
+  compiled = [m.split()[1] for m in caplog.messages if m.startswith("Compiling jit(")]
+  assert compiled.count("jit(prefill)") == compiled.count("jit(decode)") == 1  # 9 decode steps
   assert got == recomputed_greedy(setup.spec.graphdef, params, PROMPTS, 10)
   assert len({tuple(tokens) for tokens in got}) == 3  # not a degenerate model
 
@@ -108,3 +113,15 @@ def test_generate_command_prints_json_per_prompt_and_refuses_a_missing_workdir(t
   assert missing.stderr.strip().splitlines() == [
       "error: --workdir: nowhere has no config.json; give a workdir that `meshtrain train` or "
       "`meshtrain import-hf` wrote"]
+
+
+def test_a_workdir_without_the_checkpoint_asked_for_is_refused(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(micro_config().to_dict()))
+  with pytest.raises(ConfigError, match="holds no checkpoint") as error:
+    saved_run.checkpoint_step(tmp_path, None)
+  assert error.value.key == "--workdir"
+  (tmp_path / "checkpoints/5").mkdir(parents=True)
+  assert saved_run.checkpoint_step(tmp_path, None) == 5
+  with pytest.raises(ConfigError, match=r"no checkpoint of step 3; it has \[5\]") as error:
+    saved_run.checkpoint_step(tmp_path, 3)
+  assert error.value.key == "--step"

@@ -31,9 +31,8 @@ def _restore_source(path: str) -> tuple[Checkpoints, int]:
 def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
   """The state to start from: the workdir's newest checkpoint, else the one
   `config.checkpoint.restore_from` names, else `config.init_from`'s weights or a
-  fresh init. Everything is read
-  and checked before anything is written. Returns the state, the workdir's
-  checkpoints and where the state came from."""
+  fresh init. Everything is read and checked before anything is written.
+  Returns the state, the workdir's checkpoints and where the state came from."""
   own = source = step = None
   try:
     if (Path(cfg.workdir) / "checkpoints").is_dir():
