@@ -56,9 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   c.model.tie_embeddings = False  # share the input embedding with the output head
   c.model.rope_scaling_factor = 1.0  # Llama 3.1/3.2 RoPE scaling (HF rope_type llama3); 1: none
-  c.model.rope_low_freq_factor = 1.0  # llama3 scaling: wavelengths over original/low are divided by factor
-  c.model.rope_high_freq_factor = 4.0  # llama3 scaling: wavelengths under original/high are kept
-  c.model.rope_original_max_positions = 8192  # llama3 scaling: the context length before scaling
+  c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths > original/low are divided by factor
+  c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths < original/high are kept
+  c.model.rope_original_max_positions = 8192  # llama3: the context length before scaling
 
   c.attention = ml_collections.ConfigDict()
   c.attention.sequence_strategy = "all_gather_kv"  # when mesh.sequence > 1: all_gather_kv | ulysses | ring
