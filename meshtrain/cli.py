@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -170,6 +171,9 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
 def _guarded(command):
   def main(argv):
     try:
+      if command is not launch_command and len(argv) > 1:
+        raise ConfigError(argv[0].split()[-1], f"unexpected argument {argv[1]!r}; flags start "
+                          f"with -- (a config file is --config {argv[1]})")
       command(argv)
     except StorageError as error:
       _fail(error, at_once=True)
@@ -200,17 +204,34 @@ def _flag_error(argv: list[str], error: Exception) -> ConfigError:
     return ConfigError(f"--{error.flagname}", f"is not a flag of this command ({message}); "
                        "see --helpfull")
   bad_value = re.match(r"flag --([\w.]+)=(.*?): (.*)", message)
-  if bad_value:
+  if bad_value and bad_value.group(1) != "config":
     name, value, reason = bad_value.groups()
     key = name if name.startswith("config.") else f"--{name}"
     return ConfigError(key, f"{value!r} is not valid ({reason})")
-  if isinstance(error, OSError) or not _overrides(argv):
-    while error.__cause__ or error.__context__:  # ml_collections wraps the reason twice
+  if (bad_value or isinstance(error, OSError) or _raised_in_config_file(error, argv) or
+      not _overrides(argv)):
+    reasons = []  # ml_collections wraps the reason in two or three layers
+    while error is not None:
+      lines = str(error).strip().splitlines()
+      reasons.append(lines[-1].strip() if lines else type(error).__name__)
       error = error.__cause__ or error.__context__
-    message = str(error).strip().splitlines()[-1].strip() if str(error).strip() else message
-    return ConfigError("--config", f"cannot load the config ({message}); give a config file "
+    reason = next((r for r in reasons if r.startswith("Could not override")), reasons[-1])
+    return ConfigError("--config", f"cannot load the config ({reason}); give a config file "
                        "such as configs/tiny.py, or configs/NAME.py:MODEL for a strategy preset")
   return ConfigError(f"config.{_overrides(argv)[-1]}", message)
+
+
+def _raised_in_config_file(error: Exception, argv: list[str]) -> bool:
+  """Whether `error` came from running the `--config` file (a syntax error, a bad assignment)."""
+  given = [argv[i + 1] if arg in ("--config", "-config") and i + 1 < len(argv)
+           else arg.partition("=")[2] for i, arg in enumerate(argv)
+           if re.match(r"--?config(=|$)", arg)]
+  if not given:
+    return False
+  path = Path(given[-1].split(":")[0]).resolve()
+  files = [getattr(error, "filename", None) if isinstance(error, SyntaxError) else None]
+  files += [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+  return any(file and Path(file).resolve() == path for file in files)
 
 
 def _overrides(argv: list[str]) -> list[str]:
@@ -266,9 +287,9 @@ def run(argv: list[str] | None = None) -> None:
   """The `meshtrain` console script; `argv` (default sys.argv[1:]) starts with the command."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if not argv or argv[0] not in COMMANDS:
-    print(f"usage: meshtrain {{{'|'.join(COMMANDS)}}} [--flags]   (--helpfull for flags)",
-          file=sys.stderr)
-    sys.exit(2)
+    given = f"{argv[0]!r} is not a command" if argv else "no command given"
+    _fail(ConfigError("command", f"{given}; use meshtrain {{{'|'.join(COMMANDS)}}} [--flags] "
+                      "(--helpfull for flags)"))
   argv = _with_config(argv)
   app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],
           flags_parser=_parse_flags)
