@@ -8,7 +8,6 @@
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -18,9 +17,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, generate, launch, validate, workdir as saved_run
-from meshtrain.analysis import selfcheck
-from meshtrain.analysis import clusters, search
+from meshtrain import distributed, flag_parsing, generate, launch, validate, workdir as saved_run
+from meshtrain.analysis import clusters, search, selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
@@ -354,7 +352,7 @@ def launch_command(argv: list[str]) -> None:
 def _check_launched(command: list[str], num_processes: int, devices_per_process: int) -> None:
   """The launched command's flags and config, checked here once rather than
   failing in every process after they have joined."""
-  argv = _with_config(command)
+  argv = flag_parsing.with_config(command, meshtrain.config.__file__)
   _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
   cfg = checked_config(writes_workdir=argv[0] == "train")
   cfg.distributed.update(num_processes=num_processes, process_id=0,
@@ -374,6 +372,9 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
 def _guarded(command):
   def main(argv):
     try:
+      if command is not launch_command and len(argv) > 1:
+        raise ConfigError(argv[0].split()[-1], f"unexpected argument {argv[1]!r}; flags start "
+                          f"with -- (a config file is --config {argv[1]})")
       command(argv)
     except StorageError as error:
       _fail(error, at_once=True)
@@ -397,83 +398,22 @@ def _fail(error: ConfigError, at_once: bool = False) -> NoReturn:
   sys.exit(2)
 
 
-def _flag_error(argv: list[str], error: Exception) -> ConfigError:
-  """A bad flag as the one-line error: absl and ml_collections raise many kinds."""
-  message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  if isinstance(error, flags.UnrecognizedFlagError):
-    return ConfigError(f"--{error.flagname}", f"is not a flag of this command ({message}); "
-                       "see --helpfull")
-  bad_value = re.match(r"flag --([\w.]+)=(.*?): (.*)", message)
-  if bad_value:
-    name, value, reason = bad_value.groups()
-    key = name if name.startswith("config.") else f"--{name}"
-    return ConfigError(key, f"{value!r} is not valid ({reason})")
-  if isinstance(error, OSError) or not _overrides(argv):
-    while error.__cause__ or error.__context__:  # ml_collections wraps the reason twice
-      error = error.__cause__ or error.__context__
-    message = str(error).strip().splitlines()[-1].strip() if str(error).strip() else message
-    return ConfigError("--config", f"cannot load the config ({message}); give a config file "
-                       "such as configs/tiny.py, or configs/NAME.py:MODEL for a strategy preset")
-  return ConfigError(f"config.{_overrides(argv)[-1]}", message)
-
-
-def _overrides(argv: list[str]) -> list[str]:
-  """The keys of the `--config.KEY=VALUE` flags in `argv`."""
-  return [arg.split("=", 1)[0].split(".", 1)[1] for arg in argv
-          if re.match(r"--?(no)?config\.", arg)]
-
-
-def _check_override_keys(argv: list[str]) -> None:
-  """Every `--config.KEY` names a key: "did you mean" over the whole tree, before
-  ml_collections raises a traceback on a typo."""
-  keys = validate.config_keys()
-  for key in _overrides(argv):
-    if key not in keys and key.startswith("no") and isinstance(keys.get(key[2:]), bool):
-      key = key[2:]  # --config.noKEY sets a boolean false
-    if key in keys:
-      continue
-    group = [k.rpartition(".")[2] for k in keys if k.startswith(key + ".")]
-    if group:
-      raise ConfigError(f"config.{key}", f"is a group of keys ({', '.join(group)}); set one of "
-                        f"them, e.g. --config.{key}.{group[0]}=...")
-    raise validate.unknown_key(key, keys)
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with each bad flag reported as one `error:` line (exit 2)."""
-  own = argv[:argv.index("--")] if "--" in argv else argv  # after --: launch's command
-  _OVERRIDE_ARGV[:] = own
   try:
-    _check_override_keys(own)
-    # In-process reruns start from the defaults, without the last run's override flags.
-    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
-      delattr(flags.FLAGS, name)
-    flags.FLAGS.unparse_flags()
-    args = flags.FLAGS(argv)
-    _CONFIG.value.keys()  # ml_collections reports a config file that failed to load here
-    return args
+    return flag_parsing.parse(argv, _CONFIG, _OVERRIDE_ARGV)
   except ConfigError as error:
     _fail(error)
-  except Exception as error:  # noqa: BLE001 - any parse failure is the user's input
-    _fail(_flag_error(argv, error))
-
-
-def _with_config(argv: list[str]) -> list[str]:
-  """`COMMAND --flags` with `--config` named (the default file when not given),
-  so ml_collections loads it while parsing the flags, overrides included."""
-  if any(re.match(r"--?config(=|$)", arg) for arg in argv):
-    return list(argv)
-  return [argv[0], f"--config={meshtrain.config.__file__}", *argv[1:]]
 
 
 def run(argv: list[str] | None = None) -> None:
   """The `meshtrain` console script; `argv` (default sys.argv[1:]) starts with the command."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if not argv or argv[0] not in COMMANDS:
-    print(f"usage: meshtrain {{{'|'.join(COMMANDS)}}} [--flags]   (--helpfull for flags)",
-          file=sys.stderr)
-    sys.exit(2)
-  argv = _with_config(argv)
+    given = f"{argv[0]!r} is not a command" if argv else "no command given"
+    _fail(ConfigError("command", f"{given}; use meshtrain {{{'|'.join(COMMANDS)}}} [--flags] "
+                      "(--helpfull for flags)"))
+  argv = flag_parsing.with_config(argv, meshtrain.config.__file__)
   app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],
           flags_parser=_parse_flags)
 

@@ -7,6 +7,8 @@ launch` and the ssh example pass). `num_processes=0` leaves it to
 environments. On CPU the processes talk through gloo.
 """
 
+import re
+
 import jax
 
 from meshtrain.errors import ConfigError
@@ -18,9 +20,10 @@ def check(dist_cfg) -> None:
   if n < 0:
     raise ConfigError("config.distributed.num_processes", f"is {n}; use 1, N > 1, or 0 to detect")
   if n > 1:
-    if not dist_cfg.coordinator_address:
+    if not re.fullmatch(r"\S+:\d{1,5}", dist_cfg.coordinator_address):
       raise ConfigError("config.distributed.coordinator_address",
-                        f"num_processes={n} needs the host:port of process 0")
+                        f"is {dist_cfg.coordinator_address!r}; num_processes={n} needs the "
+                        "host:port of process 0")
     if not 0 <= dist_cfg.process_id < n:
       raise ConfigError("config.distributed.process_id",
                         f"is {dist_cfg.process_id}; give this process's id in 0..{n - 1}")

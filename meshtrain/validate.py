@@ -175,7 +175,8 @@ def check_config(cfg) -> None:
   _check_ignored(cfg, values, defaults, sizes=None)
   distributed.check(cfg.distributed)
   if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).is_file():
-    raise ConfigError("config.data.path", f"file '{cfg.data.path}' not found; point "
+    found = "is a folder" if Path(cfg.data.path).is_dir() else "not found"
+    raise ConfigError("config.data.path", f"file '{cfg.data.path}' {found}; point "
                       "config.data.path at a UTF-8 text file")
 
 

@@ -30,6 +30,11 @@ CASES = [
     ("train", [f"--config={REPO}/configs/tp.py:nosuch"], "--config"),
     ("train", ["--nosuchflag"], "--nosuchflag"),
     ("train", ["--stages=abc"], "--stages"),
+    ("train", ["--config={tmp}/typo.py"], "config.stepz"),
+    ("train", ["--config={tmp}/broken.py"], "--config"),
+    ("train", ["--config={tmp}/wrong_type.py"], "--config"),
+    ("train", ["configs/tiny.py"], "train"),
+    ("trian", [], "command"),
     # ranges of one key
     ("train", ["--config.steps=0"], "config.steps"),
     ("train", ["--config.steps=-5"], "config.steps"),
@@ -72,6 +77,9 @@ CASES = [
     ("train", ["--config.distributed.num_processes=-1"], "config.distributed.num_processes"),
     ("train", ["--config.distributed.num_processes=2"], "config.distributed.coordinator_address"),
     ("train", ["--config.distributed.timeout_s=0"], "config.distributed.timeout_s"),
+    ("train", ["--config.distributed.num_processes=2", "--config.distributed.process_id=0",
+               "--config.distributed.coordinator_address=localhost"],
+     "config.distributed.coordinator_address"),
     ("train", ["--config.workdir="], "config.workdir"),
     # a key that another key's value makes do nothing
     ("train", [f"--config.data.path={SHAKESPEARE}"], "config.data.path"),
@@ -139,6 +147,15 @@ CASES = [
 ]
 
 
+CONFIG_FILES = {
+    "typo.py": "from meshtrain.config import get_config as defaults\n\n"
+               "def get_config():\n  c = defaults()\n  c.stepz = 5\n  return c\n",
+    "broken.py": "def get_config(:\n",
+    "wrong_type.py": "from meshtrain.config import get_config as defaults\n\n"
+                     "def get_config():\n  c = defaults()\n  c.steps = 'ten'\n  return c\n",
+}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
   """A workdir with a checkpoint (step 0, the initial state: no step to compile)
@@ -174,6 +191,8 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
                                                           request, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "a_file").write_text("not a folder")
+  for name, body in CONFIG_FILES.items():
+    (tmp_path / name).write_text(body)
   run = tmp_path / "run"
   if any("{run}" in arg for arg in args):
     shutil.copytree(request.getfixturevalue("trained_run"), run)

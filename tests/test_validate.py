@@ -9,8 +9,9 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import meshtrain.config
 from conftest import micro_flags
-from meshtrain import cli, validate
+from meshtrain import cli, flag_parsing, validate
 from meshtrain.errors import ConfigError
 from meshtrain.train.resume import resume_changes
 from meshtrain.train.setup import build
@@ -39,7 +40,8 @@ def checked(mutations) -> tuple[object | None, str]:
   stderr = io.StringIO()
   with contextlib.redirect_stderr(stderr):
     try:
-      cli._parse_flags(["meshtrain train", *cli._with_config(["train", *args])[1:]])
+      argv = flag_parsing.with_config(["train", *args], meshtrain.config.__file__)
+      cli._parse_flags(["meshtrain train", *argv[1:]])
       cfg = cli.checked_config()
       validate.check_devices(cfg, jax.device_count(), jax.devices()[0].platform)
       return cfg, ""
