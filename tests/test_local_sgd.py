@@ -108,7 +108,9 @@ def test_inner_step_has_no_data_collective_and_sync_all_reduces_the_deltas_once(
 @pytest.mark.parametrize("changes, key", [
     ({"zero_stage": 1}, "config.zero_stage"), ({"mesh.data": 4, "mesh.sequence": 2}, "config.mesh.sequence"),
     ({"mesh.data": 4, "mesh.pipeline": 2}, "config.mesh.pipeline"),
-    ({"local_sgd.outer_optimizer": "adam"}, "config.local_sgd.outer_optimizer")])
+    ({"local_sgd.outer_optimizer": "adam"}, "config.local_sgd.outer_optimizer"),
+    ({"offload.optimizer": True}, "config.offload.optimizer"),
+    ({"param_dtype": "float16"}, "config.param_dtype")])
 def test_unsupported_settings_name_the_key(changes, key):
   with pytest.raises(ConfigError, match=f"^{key}: "):
     build(local_config(4, **changes))

@@ -51,6 +51,9 @@ def validate(cfg) -> None:
       # (a `data`-batched input meets an unbatched mask inside the manual region).
       raise ConfigError(f"config.mesh.{axis}", f"local SGD does not compose with the {axis} axis "
                         "yet; set it to 1 (fsdp and tensor, with tensor_sequence_parallel, do)")
+  if cfg.offload.optimizer:
+    raise ConfigError("config.offload.optimizer", "local SGD keeps its replicas' state on the "
+                      "devices; set it to False")
   if cfg.zero_stage:
     raise ConfigError("config.zero_stage", "local SGD keeps a whole model per `data` replica; "
                       "use zero_stage 0 and shard inside each replica with config.mesh.fsdp")

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from meshtrain.errors import ConfigError
+
 FACTOR = 2  # the scale's step up and down
 
 
@@ -27,6 +29,13 @@ class LossScale:
 
 def uses_loss_scale(cfg) -> bool:
   return "float16" in (cfg.param_dtype, cfg.compute_dtype)
+
+
+def validate(cfg) -> None:
+  if uses_loss_scale(cfg) and (cfg.mesh.pipeline != 1 or cfg.local_sgd.inner_steps):
+    raise ConfigError("config.param_dtype" if cfg.param_dtype == "float16" else "config.compute_dtype",
+                      "float16 loss scaling is not wired into the pipeline or local SGD yet; "
+                      "use bfloat16 there")
 
 
 def initial_loss_scale(cfg) -> LossScale | None:

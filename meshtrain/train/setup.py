@@ -14,7 +14,8 @@ from meshtrain.mesh import make_mesh
 from meshtrain.parallel import local_sgd, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
-from meshtrain.train.precision import initial_loss_scale, uses_loss_scale
+from meshtrain.train import precision
+from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.pipelined import pipelined_value_and_grad
 from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
@@ -138,10 +139,7 @@ def build(cfg, devices=None) -> Setup:
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
   local_sgd.validate(cfg)
-  if uses_loss_scale(cfg) and (mesh.shape["pipeline"] > 1 or cfg.local_sgd.inner_steps):
-    raise ConfigError("config.param_dtype" if cfg.param_dtype == "float16" else "config.compute_dtype",
-                      "float16 loss scaling is not wired into the pipeline or local SGD yet; "
-                      "use bfloat16 there")
+  precision.validate(cfg)
   rules = sharding_rules(cfg, mesh)
   spec = llama_spec(model_config(cfg), cfg.seed)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
