@@ -20,8 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.models.llama import REMAT_POLICIES, positions as default_positions, zigzag_layout
-from meshtrain.parallel import sequence
+from meshtrain.models.llama import REMAT_POLICIES, positions as default_positions
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.microbatch import split_microbatches
@@ -66,12 +65,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
   batch_axes = ("data",) if mesh.shape["data"] > 1 else ()
   inner_rules = r.without_axis(rules.params, "data")
 
-  zigzag = zigzag_layout(nnx.merge(spec.graphdef, spec.abstract_params).cfg, mesh)
-
   def run(params, batch):
-    if zigzag:  # ring attention's token order, as in Llama.__call__; the mean loss is the same
-      batch = {"positions": default_positions(batch["inputs"]), **batch}
-      batch = {key: sequence.to_zigzag(x, mesh) for key, x in batch.items()}
     microbatches = split_microbatches(batch, pipeline_cfg.microbatches)
     head = {"head": params["head"], "tied": params["embed"] if tied else {}}
     with nnx.logical_axis_rules(inner_rules):

@@ -203,6 +203,8 @@ def pipeline_loss_and_grads(
 
   def run(embed_p, layers_Vx1xLc, head_p, microbatches):
     stage = lax.axis_index(AXIS)
+    # Every stage has every microbatch; typed varying like the activations they meet.
+    microbatches = _varying(microbatches, (AXIS,))
     inputs = microbatches["inputs"]
     aux_all = {k: v for k, v in microbatches.items() if k != "inputs"}
     # The vjps differentiate weights typed varying: the transpose of the
@@ -289,6 +291,8 @@ def pipeline_loss_and_grads(
       return out({**acc, "head_g": _add(acc["head_g"], head_g)})
 
     branches = (idle, f, f_first, f_last, b, b_first, b_last, w, w_last)
+    if not backward:  # a forward-only table indexes the first four
+      branches = branches[:4]
 
     def tick(carry, row):
       acc, buffers, act_in, grad_in = carry
