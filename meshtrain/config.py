@@ -82,6 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"   # synthetic | text
   c.data.path = ""              # UTF-8 text file for source=text
+  c.data.packing = "concat"     # documents in a window: concat (attend across) | segments (each its own; segment_ids, positions)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
   return c
 

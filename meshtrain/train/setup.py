@@ -13,7 +13,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.parallel import sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
-from meshtrain.train.loss import cross_entropy
+from meshtrain.train.loss import model_loss
 from meshtrain.train.pipelined import pipelined_value_and_grad
 from meshtrain.train.state import (ModelSpec, TrainState, init_state, llama_spec, model_config,
                                    state_shardings)
@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "selective")
 NAN_POLICIES = ("stop", "skip")
 ATTENTION = ("", "xla", "cudnn")
+PACKING = ("concat", "segments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,11 @@ def validate(cfg, mesh: Mesh) -> None:
   _check_choice("config.attention.sequence_strategy", cfg.attention.sequence_strategy,
                 sequence.STRATEGIES)
   _check_choice("config.attention.implementation", cfg.attention.implementation, ATTENTION)
+  _check_choice("config.data.packing", cfg.data.packing, PACKING)
+  if cfg.data.packing == "segments" and cfg.attention.implementation == "cudnn":
+    raise ConfigError("config.attention.implementation",
+                      "cudnn cannot keep packed documents apart (jax 0.10 gives it no segment "
+                      "ids); use 'xla' or '' with config.data.packing='segments'")
   m = cfg.model
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("config.model.num_kv_heads",
@@ -138,8 +144,7 @@ def build(cfg, devices=None) -> Setup:
   shardings = state_shardings(spec, optimizer, mesh, rules)
 
   def loss_fn(params, batch):
-    logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
-    return cross_entropy(logits, batch["targets"])
+    return model_loss(nnx.merge(spec.graphdef, params), batch)
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat)
               if mesh.shape["pipeline"] > 1 else None)
