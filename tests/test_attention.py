@@ -52,7 +52,8 @@ def test_bfloat16_stays_close_to_float32():
   f32 = value_and_grads(attention.causal_attention, q, k, v, cotangent)
   bf16 = value_and_grads(attention.causal_attention,
                          *(x.astype(jnp.bfloat16) for x in (q, k, v, cotangent)))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a.astype(jnp.float32), b, atol=0.1), bf16, f32)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a.astype(jnp.float32), b, atol=0.1),
+               bf16, f32)
 
 
 def test_cudnn_refuses_documents_with_the_config_key():

@@ -3,14 +3,14 @@ runs), read from jax: no weight-sized residual, 16-bit tensors only where
 they are activation-sized, the attention probabilities once, and exactly the
 bytes counted by hand below."""
 
-import dataclasses
 import importlib.util
 
 import pytest
 
 from conftest import REPO
 
-spec = importlib.util.spec_from_file_location("layer_residuals", REPO / "bench" / "layer_residuals.py")
+spec = importlib.util.spec_from_file_location("layer_residuals",
+                                              REPO / "bench" / "layer_residuals.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
@@ -62,5 +62,6 @@ def test_bytes_per_layer_match_the_count_by_hand(residuals):
 
 def test_selective_keeps_exactly_the_named_matmul_outputs(residuals):
   named = {r.source.split("'")[1] for r in residuals["selective"] if r.source.startswith("named")}
-  unnamed = [r for r in residuals["selective"] if not r.source.startswith(("named", "from the argument x"))]
+  unnamed = [r for r in residuals["selective"]
+             if not r.source.startswith(("named", "from the argument x"))]
   assert named == {"qkv", "attn_out", "mlp_in"} and not unnamed, unnamed

@@ -34,7 +34,8 @@ def masked_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.
                      mask_BxTxS: jax.Array) -> jax.Array:
   """softmax(q k^T / sqrt(H), where mask) v for grouped-query heads (N a
   multiple of K; query head n uses kv head n // (N / K)). The mask's batch may
-  be 1 (broadcast); every row needs one visible key. Scores and softmax in float32, the output in q's dtype."""
+  be 1 (broadcast); every row needs one visible key. Scores and softmax in
+  float32, the output in q's dtype."""
   return _attention_fwd(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)[0]
 
 

@@ -298,11 +298,14 @@ def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
   return create(rngs)
 
 
-def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-               remat: Remat, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
+               remat: Remat = "none", segment_ids_BxL: jax.Array | None = None) -> jax.Array:
   """Runs stacked blocks (any number: the whole model or a pipeline chunk) with
   one `lax.scan`, recomputing activations by the `remat` policy; with
-  `segment_ids_BxL`, attention stays inside each packed document."""
+  `segment_ids_BxL`, attention stays inside each packed document. Positions
+  default to `default_positions`."""
+  if positions_BxL is None:
+    positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
@@ -328,7 +331,7 @@ def document_positions(segment_ids_BxL: jax.Array) -> jax.Array:
 
 def default_positions(tokens_BxL: jax.Array, segment_ids_BxL: jax.Array | None) -> jax.Array:
   """Rotary positions when none are given: each token's index, inside its
-  document when packed."""
+  document when packed. Only the shape of `tokens_BxL` ([B, L, ...]) counts."""
   return positions(tokens_BxL) if segment_ids_BxL is None else document_positions(segment_ids_BxL)
 
 

@@ -329,7 +329,8 @@ def _relayout(relayout, x_BxL: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
   manual, batch = _split(mesh, axis, x_BxL.shape[0])
   by_length = P(batch, axis)
   return jax.shard_map(functools.partial(relayout, axis=axis, n=mesh.shape[axis]), mesh=mesh,
-                       in_specs=by_length, out_specs=by_length, axis_names=manual, check_vma=False)(x_BxL)
+                       in_specs=by_length, out_specs=by_length, axis_names=manual,
+                       check_vma=False)(x_BxL)
 
 
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:
