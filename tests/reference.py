@@ -20,8 +20,14 @@ def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=No
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      logits = apply(p, batch["inputs"]) if apply else nnx.merge(graphdef, p)(batch["inputs"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+      packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+      logits = (apply(p, batch["inputs"]) if apply
+                else nnx.merge(graphdef, p)(batch["inputs"], **packed))
+      losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      if "segment_ids" not in batch:
+        return losses.mean()
+      counted = batch["segment_ids"] != 0  # packed documents: padding's targets do not count
+      return (losses * counted).sum() / counted.sum()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

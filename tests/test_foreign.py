@@ -11,7 +11,6 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx

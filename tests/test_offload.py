@@ -11,7 +11,6 @@ from conftest import micro_config
 from reference import random_batches
 from test_train_equivalence import meshtrain_run
 from meshtrain.analysis.plan import compile_step
-from meshtrain.train.setup import build
 
 
 def host_input_bytes(compiled) -> int:

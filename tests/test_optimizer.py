@@ -2,7 +2,6 @@
 optimizer written out here, run unsharded under plain `jax.jit`."""
 
 import chex
-import jax
 import optax
 import pytest
 

@@ -24,7 +24,6 @@ model saves (traced once per kind of layout and scaled: `_ActivationModel`).
 
 import dataclasses
 import functools
-import itertools
 import math
 
 import jax

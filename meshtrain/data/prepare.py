@@ -44,7 +44,6 @@ import glob
 import io
 import itertools
 import json
-import os
 import shutil
 import tempfile
 import time

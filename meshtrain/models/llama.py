@@ -8,19 +8,23 @@ dtype the caller hands in and cast to `compute_dtype` at each matmul.
 """
 
 import dataclasses
+import functools
 from typing import Literal
 
 import flax.core.spmd
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
-from meshtrain.models import rope
+from meshtrain.models import attention, rope
 from meshtrain.models.rope import rotary
 from meshtrain.parallel import sequence
 
 Remat = Literal["none", "full", "selective"]
+# Names of the weight matmuls' outputs, which `remat="selective"` keeps.
+QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +42,7 @@ class LlamaConfig:
   compute_dtype: str = "float32"
   remat: Remat = "none"
   sequence_strategy: str = "all_gather_kv"  # attention when `sequence` splits the length
-  attention_implementation: str = "xla"  # jax.nn.dot_product_attention's: xla | cudnn (flash)
+  attention_implementation: str = "xla"  # xla (models/attention.py) | cudnn (flash)
   rope_scaling_factor: float = 1.0  # Llama 3's RoPE scaling (models/rope.py); 1: none
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
@@ -68,24 +72,47 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    x32 = x_BxLxD.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+    return rms_norm(x_BxLxD, self.scale[...], self.eps)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+  """Normalised in float32, recomputed in the backward from the input: saved,
+  its float32 copy and normalised value would be 4x a 16-bit input."""
+  x32 = x_BxLxD.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
+                  fuse=lambda w: w) -> jax.Array:
+  """`einsum(equation, x, fuse(*weights))` with the weights cast to x's dtype,
+  the cast and fused weight built again in the backward instead of saved:
+  saved, it is a weight-sized residual in every layer (the q/k/v and gate/up
+  concatenations: 285 MB per llama_8b layer). Only the cheap cast and
+  concatenation run twice; the matmul's output is not needed to differentiate
+  it, so its recomputation is dead code."""
+  @jax.checkpoint
+  def matmul(x, *weights):
+    return jnp.einsum(equation, x, fuse(*(w.astype(x.dtype) for w in weights)))
+  return matmul(x, *weights)
 
 
 def attention_implementation(requested: str, compute_dtype: str, head_dim: int,
-                             device: jax.Device) -> str:
+                             device: jax.Device, packed: bool = False) -> str:
   """What `attention.implementation=""` (the best available) means on `device`.
 
-  jax's own default (None) is XLA's attention on every platform (jax 0.10),
-  which stores the [batch, heads, length, length] scores for the backward.
-  cuDNN's flash attention stores none and is the faster kernel, where it runs:
-  NVIDIA GPUs, 16-bit activations, a head_dim that is a multiple of 8 up to 128.
+  XLA's attention stores the [batch, heads, length, length] probabilities for
+  the backward. cuDNN's flash attention stores none and is the faster kernel,
+  where it runs: NVIDIA GPUs, 16-bit activations, a head_dim that is a
+  multiple of 8 up to 128, and no packed documents (`packed`: jax 0.10 gives
+  it no segment ids).
   """
   if requested:
     return requested
   flash = (device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
-           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+           and not packed)
   return "cudnn" if flash else "xla"
 
 
@@ -105,21 +132,26 @@ class Attention(nnx.Module):
     not three (Megatron's fused QKV; XLA's CPU compile does not merge the three).
     The query heads of a kv group sit next to each other, so [D, N, H] ->
     [D, K, N/K, H] keeps the head split local."""
-    dtype = x_BxLxD.dtype
-    wq, wk, wv = (w[...].astype(dtype) for w in (self.wq_DxNxH, self.wk_DxKxH, self.wv_DxKxH))
+    wq, wk, wv = (w[...] for w in (self.wq_DxNxH, self.wk_DxKxH, self.wv_DxKxH))
     rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
     if rules.get(r.KV_HEADS) != rules.get(r.HEADS):  # kv heads whole, query heads split
-      return (jnp.einsum("bld,dnh->blnh", x_BxLxD, wq), jnp.einsum("bld,dkh->blkh", x_BxLxD, wk),
-              jnp.einsum("bld,dkh->blkh", x_BxLxD, wv))
+      return tuple(checkpoint_name(weight_matmul(equation, x_BxLxD, w), QKV)
+                   for equation, w in (("bld,dnh->blnh", wq), ("bld,dkh->blkh", wk),
+                                       ("bld,dkh->blkh", wv)))
     (d, n, h), k = wq.shape, wk.shape[1]
-    w_DxKxGxH = jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], 2)
-    qkv_BxLxKxGxH = r.constrain(jnp.einsum("bld,dkgh->blkgh", x_BxLxD, w_DxKxGxH),
+
+    def fuse(wq, wk, wv):
+      return jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], 2)
+
+    qkv_BxLxKxGxH = r.constrain(weight_matmul("bld,dkgh->blkgh", x_BxLxD, wq, wk, wv, fuse=fuse),
                                 (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, None, r.HEAD_DIM))
+    qkv_BxLxKxGxH = checkpoint_name(qkv_BxLxKxGxH, QKV)
     batch, length = x_BxLxD.shape[:2]
     return (qkv_BxLxKxGxH[:, :, :, :-2].reshape(batch, length, n, h),
             qkv_BxLxKxGxH[:, :, :, -2], qkv_BxLxKxGxH[:, :, :, -1])
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     cfg, dtype = self.cfg, x_BxLxD.dtype
     q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.project_qkv(x_BxLxD)
     q_BxLxNxH = r.constrain(rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
@@ -135,12 +167,15 @@ class Attention(nnx.Module):
     if _splits_length(mesh):
       out_BxLxNxH = sequence.sequence_attention(
           q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, strategy=cfg.sequence_strategy, mesh=mesh,
-          zigzag=zigzag_layout(cfg, mesh))
+          zigzag=zigzag_layout(cfg, mesh), segment_ids_BxL=segment_ids_BxL)
     else:
-      out_BxLxNxH = jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
-                                                 implementation=cfg.attention_implementation)
-    out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype), (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
-    return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...].astype(dtype))
+      out_BxLxNxH = attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                               implementation=cfg.attention_implementation,
+                                               segment_ids_BxL=segment_ids_BxL)
+    out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype),
+                              (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
+    return checkpoint_name(weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...]),
+                           ATTN_OUT)
 
 
 class MLP(nnx.Module):
@@ -153,14 +188,21 @@ class MLP(nnx.Module):
     self.w_down_FxD = _param(rngs, (f, d), (r.MLP, r.EMBED), f)
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    dtype = x_BxLxD.dtype
     # Gate and up in one matmul: one all-reduce of the input gradient under
     # tensor parallelism, not two.
-    w_2xDxF = jnp.stack([self.w_gate_DxF[...], self.w_up_DxF[...]]).astype(dtype)
-    gate_BxLxF, up_BxLxF = r.constrain(jnp.einsum("bld,cdf->cblf", x_BxLxD, w_2xDxF),
-                                       (None, r.BATCH, r.LENGTH, r.ACT_MLP))
-    h_BxLxF = r.constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, (r.BATCH, r.LENGTH, r.ACT_MLP))
-    return jnp.einsum("blf,fd->bld", h_BxLxF, self.w_down_FxD[...].astype(dtype))
+    gate_up_2xBxLxF = r.constrain(
+        weight_matmul("bld,cdf->cblf", x_BxLxD, self.w_gate_DxF[...], self.w_up_DxF[...],
+                      fuse=lambda *w: jnp.stack(w)), (None, r.BATCH, r.LENGTH, r.ACT_MLP))
+    gate_BxLxF, up_BxLxF = checkpoint_name(gate_up_2xBxLxF, MLP_IN)
+    h_BxLxF = r.constrain(swiglu(gate_BxLxF, up_BxLxF), (r.BATCH, r.LENGTH, r.ACT_MLP))
+    return checkpoint_name(weight_matmul("blf,fd->bld", h_BxLxF, self.w_down_FxD[...]), MLP_OUT)
+
+
+@jax.checkpoint
+def swiglu(gate_BxLxF: jax.Array, up_BxLxF: jax.Array) -> jax.Array:
+  """silu(gate) * up, recomputed in the backward from gate and up: saved, its
+  sigmoid and products would double the MLP's residuals."""
+  return jax.nn.silu(gate_BxLxF) * up_BxLxF
 
 
 class Block(nnx.Module):
@@ -172,17 +214,20 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     residual = (r.BATCH, r.RES_LENGTH, r.ACT_EMBED)
-    x_BxLxD = r.constrain(x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL), residual)
+    x_BxLxD = r.constrain(
+        x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL), residual)
     return r.constrain(x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), residual)
 
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep the outputs of weight matmuls; recompute attention and elementwise ops
-    # (Korthikanti et al.'s selective recomputation).
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Keep the outputs of the weight matmuls (named above); recompute norms,
+    # rotary, attention and SwiGLU's product. Korthikanti et al.'s selective
+    # recomputation recomputes only attention.
+    "selective": jax.checkpoint_policies.save_only_these_names(QKV, ATTN_OUT, MLP_IN, MLP_OUT),
 }
 
 
@@ -259,14 +304,18 @@ def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
   return create(rngs)
 
 
-def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-               remat: Remat) -> jax.Array:
+def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
+               remat: Remat = "none", segment_ids_BxL: jax.Array | None = None) -> jax.Array:
   """Runs stacked blocks (any number: the whole model or a pipeline chunk) with
-  one `lax.scan`, recomputing activations by the `remat` policy."""
+  one `lax.scan`, recomputing activations by the `remat` policy; with
+  `segment_ids_BxL`, attention stays inside each packed document. Positions
+  default to `default_positions`."""
+  if positions_BxL is None:
+    positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
-    return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL), None
+    return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, segment_ids_BxL), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
@@ -275,6 +324,21 @@ def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array,
 
 def positions(tokens_BxL: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape[:2])
+
+
+def document_positions(segment_ids_BxL: jax.Array) -> jax.Array:
+  """Each token's index inside its packed document: 0 where the segment id
+  changes, counting up until the next change."""
+  index_BxL = positions(segment_ids_BxL)
+  starts_BxL = jnp.where(
+      jnp.diff(segment_ids_BxL, axis=1, prepend=segment_ids_BxL[:, :1] - 1) != 0, index_BxL, 0)
+  return index_BxL - jax.lax.cummax(starts_BxL, axis=1)
+
+
+def default_positions(tokens_BxL: jax.Array, segment_ids_BxL: jax.Array | None) -> jax.Array:
+  """Rotary positions when none are given: each token's index, inside its
+  document when packed. Only the shape of `tokens_BxL` ([B, L, ...]) counts."""
+  return positions(tokens_BxL) if segment_ids_BxL is None else document_positions(segment_ids_BxL)
 
 
 def _splits_length(mesh) -> bool:
@@ -297,16 +361,30 @@ class Llama(nnx.Module):
     self.layers = stacked_blocks(cfg, rngs)
     self.head = Head(cfg, rngs)
 
-  def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-    """Returns float32 logits [batch, length, vocab]."""
+  def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Returns float32 logits [batch, length, vocab]. Packed documents:
+    `segment_ids` [batch, length] (0 = padding) keep attention inside each
+    document; `positions` (rotary; by default each token's index inside its
+    document) restart there."""
     mesh = jax.sharding.get_abstract_mesh()
     zigzag = zigzag_layout(self.cfg, mesh)
-    positions_BxL = positions(tokens_BxL)
-    if zigzag:  # each token keeps its position, wherever it sits
+    segment_ids_BxL = segment_ids
+    if zigzag and positions is None and segment_ids_BxL is None:
+      # Each token keeps its position, wherever it sits: known without moving data.
       order_L = sequence.zigzag_order(tokens_BxL.shape[1], mesh.shape["sequence"])
       positions_BxL = jnp.broadcast_to(jnp.asarray(order_L), tokens_BxL.shape)
+    else:
+      positions_BxL = positions if positions is not None else default_positions(
+          tokens_BxL, segment_ids_BxL)
+      if zigzag:
+        positions_BxL = sequence.to_zigzag(positions_BxL, mesh)
+    if zigzag:
       tokens_BxL = sequence.to_zigzag(tokens_BxL, mesh)
-    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions_BxL, self.cfg.remat)
+      if segment_ids_BxL is not None:
+        segment_ids_BxL = sequence.to_zigzag(segment_ids_BxL, mesh)
+    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions_BxL, self.cfg.remat,
+                         segment_ids_BxL)
     if zigzag:
       x_BxLxD = sequence.from_zigzag(x_BxLxD, mesh)
     return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None)

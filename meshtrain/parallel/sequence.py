@@ -36,7 +36,14 @@ every row attends alone, so they need nothing, and a `jax.vmap` over `data`
 with spmd_axis_name (per-replica gradient accumulation) then finds `data`
 manual where it adds it to the specs. jax 0.10 adds a vmapped axis to a
 shard_map's specs without making it manual, which failed with "unbound axis
-name: data" while only `sequence` was.
+name: data" while only `sequence` was. Under that vmap the varying-axes check
+(check_vma) still rejects the out_specs and mixes of values that vary over
+`data` and values that do not, so it is off; the equivalence tests hold the
+gradients to one device.
+
+Packed documents (`segment_ids_BxL`, 0 = padding): every strategy masks keys
+of other documents. The ids follow q's layout; all_gather_kv and ulysses see
+them whole, ring passes them around with K and V.
 """
 
 import functools
@@ -50,6 +57,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshtrain import rules as r
+from meshtrain.models import attention
 
 STRATEGIES = ("all_gather_kv", "ulysses", "ring")
 FREE = P.UNCONSTRAINED
@@ -72,11 +80,13 @@ def _split(mesh: Mesh, axis: str, batch_size: int) -> tuple[set[str], tuple[str,
 
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
                        strategy: str, mesh: Mesh, axis: str = "sequence",
-                       zigzag: bool = False) -> jax.Array:
+                       zigzag: bool = False,
+                       segment_ids_BxL: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention over a length sharded on `axis`; equal to
-  `jax.nn.dot_product_attention(q, k, v, is_causal=True)` on the whole sequence.
-  With `zigzag` (ring only) q, k, v and the output are in `to_zigzag` order.
-  Call it under `jax.jit` with `mesh` set (`jax.set_mesh`)."""
+  `attention.causal_attention(q, k, v, segment_ids_BxL=...)` on the whole
+  sequence. With `zigzag` (ring only) q, k, v, the segment ids and the output
+  are in `to_zigzag` order. Call it under `jax.jit` with `mesh` set
+  (`jax.set_mesh`)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence attention strategy {strategy!r}; "
                      f"choose one of {', '.join(STRATEGIES)}")
@@ -88,12 +98,12 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
     raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
   n = mesh.shape[axis]
   if n == 1:
-    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True)
+    return attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                      segment_ids_BxL=segment_ids_BxL)
   check_split(strategy, num_heads, length, n, axis)
-  if strategy == "ring":
-    return _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis, zigzag=zigzag)
-  attention = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses}[strategy]
-  return attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mesh=mesh, axis=axis)
+  strategy_fn = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses,
+                 "ring": functools.partial(_ring, zigzag=zigzag)}[strategy]
+  return strategy_fn(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, mesh=mesh, axis=axis)
 
 
 def check_split(strategy: str, num_heads: int, length: int, n: int, axis: str = "sequence") -> None:
@@ -111,24 +121,33 @@ def check_split(strategy: str, num_heads: int, length: int, n: int, axis: str = 
                      f"to be a multiple of {chunks}")
 
 
-def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
+def _segments(segment_ids_BxL: jax.Array | None, *specs: P) -> tuple[tuple, tuple]:
+  """The segment ids as extra shard_map arguments, one per spec; none without them."""
+  if segment_ids_BxL is None:
+    return (), ()
+  return (segment_ids_BxL,) * len(specs), specs
+
+
+def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str):
   """K and V enter the shard_map whole (the partitioner all-gathers them along
   the length); local queries attend to them, masked at this shard's offset."""
   length = q_BxLxNxH.shape[1]
 
-  def attend(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH):
+  def attend(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, *segments):
     t = q_BxTxNxH.shape[1]
-    q_pos_T = lax.axis_index(axis) * t + jnp.arange(t)
-    mask_1x1xTxL = (jnp.arange(length)[None, :] <= q_pos_T[:, None])[None, None]
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask_1x1xTxL)
+    q_index_T = lax.axis_index(axis) * t + jnp.arange(t)
+    mask = attention.causal_mask(q_index_T, jnp.arange(length), *segments)
+    return attention.masked_attention(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, mask)
 
   manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
   by_length = P(batch, axis)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(by_length, P(batch), P(batch)),
-                       out_specs=by_length, axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+  segments, segment_specs = _segments(segment_ids_BxL, by_length, P(batch))
+  return jax.shard_map(attend, mesh=mesh, in_specs=(by_length, P(batch), P(batch), *segment_specs),
+                       out_specs=by_length, axis_names=manual, check_vma=False)(
+                           q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *segments)
 
 
-def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
+def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str):
   """Heads enter the shard_map sharded over `axis`: the partitioner swaps length
   for head sharding (an all-to-all) on the way in, and back on the way out.
 
@@ -152,16 +171,19 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str):
           b, length, kv_heads // n, n, h), P(FREE, axis, FREE, None, FREE))
         for x_BxLxKxH in (k_BxLxKxH, v_BxLxKxH)]
 
-  def attend(q_BxLxAx1xGxH, k_BxLxAx1xH, v_BxLxAx1xH):
-    out_BxLxNxH = jax.nn.dot_product_attention(
+  def attend(q_BxLxAx1xGxH, k_BxLxAx1xH, v_BxLxAx1xH, *segments):
+    index_L = jnp.arange(length)
+    out_BxLxNxH = attention.masked_attention(
         q_BxLxAx1xGxH.reshape(*q_BxLxAx1xGxH.shape[:2], -1, h), k_BxLxAx1xH[:, :, :, 0],
-        v_BxLxAx1xH[:, :, :, 0], is_causal=True)
+        v_BxLxAx1xH[:, :, :, 0], attention.causal_mask(index_L, index_L, *segments))
     return out_BxLxNxH.reshape(q_BxLxAx1xGxH.shape)
 
   manual, batch = _split(mesh, axis, b)
   by_heads = P(batch, None, None, axis)
-  out_BxLxAxSxGxH = jax.shard_map(attend, mesh=mesh, in_specs=(by_heads,) * 3,
-                                  out_specs=by_heads, axis_names=manual, check_vma=False)(q_BxLxAxSxGxH, *kv)
+  segments, segment_specs = _segments(segment_ids_BxL, P(batch), P(batch))
+  out_BxLxAxSxGxH = jax.shard_map(attend, mesh=mesh, in_specs=(by_heads,) * 3 + segment_specs,
+                                  out_specs=by_heads, axis_names=manual, check_vma=False)(
+                                      q_BxLxAxSxGxH, *kv, *segments)
   out_BxLxAxSxGxH = lax.with_sharding_constraint(
       out_BxLxAxSxGxH, P(FREE, axis, FREE, None, FREE, FREE))
   return out_BxLxAxSxGxH.reshape(b, length, num_heads, h)
@@ -172,20 +194,23 @@ def ulysses_kv_heads(num_heads: int, num_kv_heads: int, n: int, tensor: int) -> 
   return math.lcm(num_kv_heads, n * tensor if num_heads % (n * tensor) == 0 else n)
 
 
-def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, mesh: Mesh, axis: str, zigzag: bool):
+def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str,
+          zigzag: bool):
   """The zigzag layout buys balance: the busiest device computes (n + 1) / 2
   blocks of T x T scores instead of n in a contiguous ring (the last device
   sees all). From a contiguous layout it costs a second exchange of q, k and v
   and one of the output."""
   manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
   by_length = P(batch, axis)
+  segments, segment_specs = _segments(segment_ids_BxL, by_length)
   return jax.shard_map(
       functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis], zigzag=zigzag),
-      mesh=mesh, in_specs=(by_length,) * 3, out_specs=by_length,
-      axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+      mesh=mesh, in_specs=(by_length,) * 3 + segment_specs, out_specs=by_length,
+      axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *segments)
 
 
-def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: bool):
+def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_BxT=None, *, axis: str, n: int,
+                zigzag: bool):
   """Ring attention on the zigzag layout with an online softmax.
 
   After `_to_zigzag` device i holds chunks i and 2n-1-i (C tokens each). Its own
@@ -193,6 +218,10 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: b
   either visible to both query chunks but only in its first half (j < i), or
   visible only to the second query chunk (j > i): C x 2C scores either way,
   half a contiguous block, and the same on every device.
+
+  With segment ids, each block also masks keys of other documents (the ids
+  travel with K and V); a block may then hide every key from a query, whose
+  statistics it leaves alone (p = 0, row max the float32 minimum).
   """
   b, t, num_heads, h = q_BxTxNxH.shape
   num_kv_heads = k_BxTxKxH.shape[2]
@@ -204,28 +233,38 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: b
   relayout = (lambda x: x) if zigzag else functools.partial(_to_zigzag, axis=axis, n=n)
   q_BxTxKxGxH = relayout(q_BxTxNxH).reshape(b, t, num_kv_heads, num_heads // num_kv_heads, h)
   kv_BxTx2xKxH = relayout(jnp.stack([k_BxTxKxH, v_BxTxKxH], axis=2))
+  q_seg_BxT = None if segment_BxT is None else relayout(segment_BxT)
 
-  def attend(q_BxTxKxGxH, kv_BxSx2xKxH, mask_TxS=None):
-    return _block(q_BxTxKxGxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1], mask_TxS)
+  def attend(q_BxTxKxGxH, kv_BxSx2xKxH, mask_BxTxS, q_seg_BxT, kv_seg_BxS):
+    if q_seg_BxT is not None:
+      same_BxTxS = q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :]
+      mask_BxTxS = same_BxTxS if mask_BxTxS is None else mask_BxTxS & same_BxTxS
+    return _block(q_BxTxKxGxH, kv_BxSx2xKxH[:, :, 0], kv_BxSx2xKxH[:, :, 1], mask_BxTxS)
 
   chunk_pos_C = jnp.arange(c)
   pos_T = jnp.concatenate([i * c + chunk_pos_C, (2 * n - 1 - i) * c + chunk_pos_C])
-  stats = attend(q_BxTxKxGxH, kv_BxTx2xKxH, pos_T[:, None] >= pos_T[None, :])
+  stats = attend(q_BxTxKxGxH, kv_BxTx2xKxH, (pos_T[:, None] >= pos_T[None, :])[None],
+                 q_seg_BxT, q_seg_BxT)
 
-  def earlier(stats, kv_BxTx2xKxH):
-    return _merge(stats, attend(q_BxTxKxGxH, kv_BxTx2xKxH[:, :c]))
+  def earlier(stats, kv_BxTx2xKxH, kv_seg_BxT):
+    kv_seg_BxC = None if kv_seg_BxT is None else kv_seg_BxT[:, :c]
+    return _merge(stats, attend(q_BxTxKxGxH, kv_BxTx2xKxH[:, :c], None, q_seg_BxT, kv_seg_BxC))
 
-  def later(stats, kv_BxTx2xKxH):
+  def later(stats, kv_BxTx2xKxH, kv_seg_BxT):
     # Every statistic has the query position on axis 3.
     first, second = zip(*(jnp.split(s, 2, axis=3) for s in stats))
-    second = _merge(second, attend(q_BxTxKxGxH[:, c:], kv_BxTx2xKxH))
+    q_seg_BxC = None if q_seg_BxT is None else q_seg_BxT[:, c:]
+    second = _merge(second, attend(q_BxTxKxGxH[:, c:], kv_BxTx2xKxH, None, q_seg_BxC, kv_seg_BxT))
     return tuple(jnp.concatenate(pair, axis=3) for pair in zip(first, second))
 
   ring = [(d, (d + 1) % n) for d in range(n)]
+  kv_seg_BxT = q_seg_BxT
   for step in range(1, n):
     kv_BxTx2xKxH = lax.ppermute(kv_BxTx2xKxH, axis, ring)
+    if kv_seg_BxT is not None:
+      kv_seg_BxT = lax.ppermute(kv_seg_BxT, axis, ring)
     source = (i - step) % n  # both branches cost the same: devices stay in step
-    stats = lax.cond(source < i, earlier, later, stats, kv_BxTx2xKxH)
+    stats = lax.cond(source < i, earlier, later, stats, kv_BxTx2xKxH, kv_seg_BxT)
 
   o_BxKxGxTxH, _, l_BxKxGxT = stats
   out_BxKxGxTxH = o_BxKxGxTxH / l_BxKxGxT[..., None]
@@ -234,17 +273,21 @@ def _ring_shard(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, axis: str, n: int, zigzag: b
   return out_BxTxNxH if zigzag else _from_zigzag(out_BxTxNxH, axis, n)
 
 
-def _block(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_TxS=None):
+def _block(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS=None):
   """Unnormalized attention of one query block to one K/V block, and its float32
-  softmax statistics: (sum of p v, row max, row sum of p)."""
+  softmax statistics: (sum of p v, row max, row sum of p). The mask's batch
+  may be 1."""
   scale = q_BxTxKxGxH.shape[-1] ** -0.5
   s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
                            preferred_element_type=jnp.float32) * scale
-  if mask_TxS is not None:
-    s_BxKxGxTxS = jnp.where(mask_TxS, s_BxKxGxTxS, jnp.finfo(jnp.float32).min)
+  if mask_BxTxS is not None:
+    mask_BxKxGxTxS = mask_BxTxS[:, None, None]
+    s_BxKxGxTxS = jnp.where(mask_BxKxGxTxS, s_BxKxGxTxS, jnp.finfo(jnp.float32).min)
   # The output does not depend on the max (its true gradient is zero): stop it.
   m_BxKxGxT = lax.stop_gradient(s_BxKxGxTxS.max(axis=-1))
   p_BxKxGxTxS = jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None])
+  if mask_BxTxS is not None:  # rows with no visible key: exp(0) = 1 everywhere
+    p_BxKxGxTxS = jnp.where(mask_BxKxGxTxS, p_BxKxGxTxS, 0)
   o_BxKxGxTxH = jnp.einsum("bkgts,bskh->bkgth", p_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH,
                            preferred_element_type=jnp.float32)
   return o_BxKxGxTxH, m_BxKxGxT, p_BxKxGxTxS.sum(axis=-1)
@@ -293,7 +336,8 @@ def _relayout(relayout, x_BxL: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
   manual, batch = _split(mesh, axis, x_BxL.shape[0])
   by_length = P(batch, axis)
   return jax.shard_map(functools.partial(relayout, axis=axis, n=mesh.shape[axis]), mesh=mesh,
-                       in_specs=by_length, out_specs=by_length, axis_names=manual, check_vma=False)(x_BxL)
+                       in_specs=by_length, out_specs=by_length, axis_names=manual,
+                       check_vma=False)(x_BxL)
 
 
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:

@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.models.llama import REMAT_POLICIES, positions as default_positions
+from meshtrain.models.llama import REMAT_POLICIES, default_positions
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
-from meshtrain.train.loss import cross_entropy
+from meshtrain.train.loss import counted_tokens, cross_entropy
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec
 
@@ -42,17 +42,17 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
     return nnx.merge(embed_def, p)(tokens_BxL)
 
   def layer_fn(p, x_BxLxD, aux):
-    positions_BxL = aux["positions"] if "positions" in aux else default_positions(x_BxLxD)
-    # Packed documents: the block keeps attention inside each segment.
-    segments = {"segment_ids": aux["segment_ids"]} if "segment_ids" in aux else {}
-    block = lambda p, x: nnx.merge(layers_def, p)(x, positions_BxL, **segments)
+    segment_ids_BxL = aux.get("segment_ids")  # packed documents: attention inside each one
+    positions_BxL = aux.get("positions", default_positions(x_BxLxD, segment_ids_BxL))
+    block = lambda p, x: nnx.merge(layers_def, p)(x, positions_BxL, segment_ids_BxL)
     if remat != "none":
       block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
     return block(p, x_BxLxD)
 
   def loss_fn(p, x_BxLxD, aux):
     table_VxD = nnx.merge(embed_def, p["tied"]).table() if tied else None
-    return cross_entropy(nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD), aux["targets"])
+    logits_BxLxV = nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD)
+    return cross_entropy(logits_BxLxV, aux["targets"], counted_tokens(aux.get("segment_ids")))
 
   return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
 

@@ -16,7 +16,7 @@ from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train import precision
 from meshtrain.train.precision import initial_loss_scale
-from meshtrain.train.loss import cross_entropy
+from meshtrain.train.loss import model_loss
 from meshtrain.train.pipelined import pipelined_value_and_grad
 from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
                                    model_config, state_shardings)
@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "selective")
 NAN_POLICIES = ("stop", "skip")
 ATTENTION = ("", "xla", "cudnn")
+PACKING = ("concat", "segments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,11 @@ def validate(cfg, mesh: Mesh) -> None:
   _check_choice("config.attention.sequence_strategy", cfg.attention.sequence_strategy,
                 sequence.STRATEGIES)
   _check_choice("config.attention.implementation", cfg.attention.implementation, ATTENTION)
+  _check_choice("config.data.packing", cfg.data.packing, PACKING)
+  if cfg.data.packing == "segments" and cfg.attention.implementation == "cudnn":
+    raise ConfigError("config.attention.implementation",
+                      "cudnn cannot keep packed documents apart (jax 0.10 gives it no segment "
+                      "ids); use 'xla' or '' with config.data.packing='segments'")
   m = cfg.model
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("config.model.num_kv_heads",
@@ -156,8 +162,7 @@ def build(cfg, devices=None) -> Setup:
     shardings = in_memory(shardings, "pinned_host")
 
   def loss_fn(params, batch):
-    logits = nnx.merge(spec.graphdef, params)(batch["inputs"])
-    return cross_entropy(logits, batch["targets"])
+    return model_loss(nnx.merge(spec.graphdef, params), batch)
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps)

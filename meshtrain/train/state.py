@@ -45,7 +45,8 @@ class ModelSpec:
 
 def model_config(cfg) -> LlamaConfig:
   implementation = attention_implementation(cfg.attention.implementation, cfg.compute_dtype,
-                                            cfg.model.head_dim, jax.devices()[0])
+                                            cfg.model.head_dim, jax.devices()[0],
+                                            packed=cfg.data.packing == "segments")
   return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat,
                      sequence_strategy=cfg.attention.sequence_strategy,
                      attention_implementation=implementation)
