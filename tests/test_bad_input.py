@@ -111,9 +111,11 @@ CASES = [
     ("train", ["--config.attention.implementation=cudnn"], "config.attention.implementation"),
     ("train", [*PIPELINE, "--config.model.num_layers=3"], "config.model.num_layers"),
     ("train", [*PIPELINE, "--config.pipeline.microbatches=3"], "config.pipeline.microbatches"),
-    ("train", [*PIPELINE, "--config.grad_accum_steps=2"], "config.grad_accum_steps"),
-    ("train", [*PIPELINE, "--config.model.tie_embeddings=true"], "config.model.tie_embeddings"),
+    ("train", [*PIPELINE, "--config.grad_accum_steps=3"], "config.pipeline.microbatches"),
     ("train", [*PIPELINE, "--config.model.num_layers=4", "--config.pipeline.virtual_stages=2"],
+     "config.pipeline.virtual_stages"),
+    ("train", [*PIPELINE, "--config.model.num_layers=4", "--config.pipeline.virtual_stages=2",
+               "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.microbatches=1"],
      "config.pipeline.microbatches"),
     ("train", ["--config.mesh.across_hosts=datum"], "config.mesh.across_hosts"),
     # the workdir and checkpoints
