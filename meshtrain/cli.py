@@ -367,12 +367,14 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
             "eval": eval_command, "import-hf": import_hf_command,
             "export-hf": export_hf_command, "generate": generate_command,
             "verify": verify_command}
+# Commands that take positional arguments: launch's command after --, prepare's inputs.
+POSITIONAL_ARGS = (launch_command, prepare_command)
 
 
 def _guarded(command):
   def main(argv):
     try:
-      if command is not launch_command and len(argv) > 1:
+      if command not in POSITIONAL_ARGS and len(argv) > 1:
         raise ConfigError(argv[0].split()[-1], f"unexpected argument {argv[1]!r}; flags start "
                           f"with -- (a config file is --config {argv[1]})")
       command(argv)
