@@ -9,7 +9,7 @@ import jax
 
 from conftest import micro_config
 from reference import random_batches
-from test_train_equivalence import meshtrain_run
+from equivalence import meshtrain_run
 from meshtrain.analysis.plan import compile_step
 
 

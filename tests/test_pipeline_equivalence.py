@@ -4,15 +4,14 @@ tied embeddings, ZeRO 1-3, gradient accumulation and remat (`sequence` is
 refused: tests/test_pipeline.py). Cases combine options to keep compiles few;
 each option appears at least once. Also the forward-only pipelined loss."""
 
-import chex
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import micro_config
-from reference import random_batches, reference_run
-from test_train_equivalence import meshtrain_run
+from equivalence import assert_matches_one_device
+from reference import random_batches
 from meshtrain.analysis import hlo
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.loss import cross_entropy
@@ -42,11 +41,7 @@ def test_pipeline_compositions_match_unsharded_plain_jit(case):
   cfg = micro_config()
   cfg.update(CASES[case])
   batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
-  setup, initial, losses, params = meshtrain_run(cfg, batches)
-  ref_losses, ref_params = reference_run(setup.spec.graphdef, initial, setup.optimizer, batches)
-  chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(params, ref_params, rtol=1e-5,
-                              atol=1e-3 * cfg.optimizer.learning_rate)
+  assert_matches_one_device(cfg, batches)
 
 
 def test_forward_only_pipelined_loss_matches_the_plain_model():

@@ -17,20 +17,15 @@ import sys
 import jax
 assert jax.device_count() == 16
 sys.path.insert(0, "tests")
-import chex
 from conftest import micro_config
-from reference import random_batches, reference_run
-from test_train_equivalence import meshtrain_run
+from equivalence import assert_matches_one_device
+from reference import random_batches
 
 cfg = micro_config()
 cfg.update(dict(mesh=dict(data=2, pipeline=2, fsdp=2, tensor=2), pipeline=dict(schedule="zb_h1"),
                 zero_stage=1))
 batches = random_batches(3, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
-setup, initial, losses, params = meshtrain_run(cfg, batches)
-ref_losses, ref_params = reference_run(setup.spec.graphdef, initial, setup.optimizer, batches)
-chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-3 * cfg.optimizer.learning_rate)
-print("losses", losses, ref_losses)
+print("losses", assert_matches_one_device(cfg, batches)[1])
 """
 
 
