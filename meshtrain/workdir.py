@@ -18,8 +18,14 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
   if not file.is_file():
     raise ConfigError("--workdir", f"{workdir} has no config.json; give a workdir that "
                       "`meshtrain train` or `meshtrain import-hf` wrote")
+  saved = json.loads(file.read_text())
+  # How the run was launched belongs to that launch: a command that reads the
+  # run joins a job only when its own flags say so, on as many devices in all.
+  launched = saved.pop("distributed", {})
+  if saved.get("simulate_devices") and launched.get("num_processes", 1) > 1:
+    saved["simulate_devices"] *= launched["num_processes"]
   cfg = get_config()
-  cfg.update(json.loads(file.read_text()))
+  cfg.update(saved)
   for key, value in overrides.items():
     section, _, name = key.rpartition(".")
     (cfg[section] if section else cfg)[name] = value

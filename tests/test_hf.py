@@ -248,10 +248,13 @@ def meshtrain(command, *args, cwd):
 
 
 def test_import_and_export_commands(good_hf_dir, tmp_path):
+  """Import on two processes of four devices (each reads only its devices'
+  blocks), export from one: the tensors come back bit for bit."""
   micro = [f"--config.{k}={v}" for k, v in dict(seq_len=16, global_batch=16).items()]
-  imported = meshtrain("import-hf", f"--from={good_hf_dir}", "--to=imported",
-                       "--config.simulate_devices=8", "--config.mesh.data=1",
-                       "--config.mesh.fsdp=8", *micro, cwd=tmp_path)
+  imported = meshtrain("launch", "--num_processes=2", "--devices_per_process=4", "--",
+                       "import-hf", f"--from={good_hf_dir}", "--to=imported",
+                       "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.across_hosts=fsdp",
+                       *micro, cwd=tmp_path)
   assert imported.returncode == 0, imported.stderr
   exported = meshtrain("export-hf", "--workdir=imported", "--to=exported", "--max_shard_mb=1",
                        "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=4",

@@ -80,7 +80,7 @@ def _tokenizer_files(cfg, directory: Path) -> list[str]:
       special["bos_token"] = token(tokenizer.bos_id)
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2))
-  return [tokenizers.TOKENIZER_FILE, "tokenizer_config.json", *copied]
+  return [tokenizers.TOKENIZER_FILE, *dict.fromkeys(["tokenizer_config.json", *copied])]
 
 
 def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
