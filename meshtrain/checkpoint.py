@@ -50,15 +50,22 @@ def _not_an_orbax_error(record: logging.LogRecord) -> bool:
   return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
-def _without_closed_loop_noise(hook):
+def _closed_loop(value) -> bool:
+  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _quiet_about_closed_loops() -> None:
   """After one write of a save fails, orbax closes its event loop while
-  tensorstore's other writes still call back into it, and each prints
-  `RuntimeError: Event loop is closed`; the failure itself is reported once."""
-  def excepthook(kind, value, traceback):
-    if not (kind is RuntimeError and "Event loop is closed" in str(value)):
-      hook(kind, value, traceback)
-  excepthook.quiet = True
-  return excepthook
+  tensorstore's other writes still call back into it; each callback's
+  `RuntimeError: Event loop is closed` reaches `sys.unraisablehook` (from
+  tensorstore's threads) or `sys.excepthook`. The failure itself is reported
+  once, by `Checkpoints`."""
+  if getattr(sys.unraisablehook, "quiet", False):
+    return
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+  sys.excepthook = lambda kind, value, tb: _closed_loop(value) or excepthook(kind, value, tb)
+  sys.unraisablehook = lambda u: _closed_loop(u.exc_value) or unraisablehook(u)
+  sys.unraisablehook.quiet = True
 
 
 class Checkpoints:
@@ -70,8 +77,7 @@ class Checkpoints:
     self.config_key = config_key
     self._failed = False
     logging.getLogger("absl").addFilter(_not_an_orbax_error)  # once: the same function
-    if not getattr(sys.excepthook, "quiet", False):
-      sys.excepthook = _without_closed_loop_noise(sys.excepthook)
+    _quiet_about_closed_loops()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, read_only=read_only, create=not read_only,
         cleanup_tmp_directories=not read_only)

@@ -5,7 +5,6 @@ speed, its command line, and the published runs it must keep agreeing with
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -37,11 +36,10 @@ def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance):
   assert model.activation_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
 
 
-def test_a_1024_device_70b_search_takes_under_30_cpu_seconds():
-  start = time.process_time()
+def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
+  """(Its CPU time is measured by bench/planner_validation.py.)"""
   results, fitting, _ = search.search(load(REPO / "configs" / "llama_70b.py"), 1024,
                                       clusters.PRESETS["h100"], top=5)
-  assert time.process_time() - start < 30
   assert len(results) == 5 and fitting > 100
   steps = [e.step_s for e in results]
   assert steps == sorted(steps)

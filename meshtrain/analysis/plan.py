@@ -91,8 +91,10 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
   batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
-  # Gradients are summed over every axis that splits the tokens.
-  token_axes = batch_axes | ({"sequence"} if mesh.shape["sequence"] > 1 else set())
+  # Gradients are summed over every axis that splits the tokens (with sequence
+  # parallelism `tensor` too, for the weights it does not split: norm scales).
+  token_axes = batch_axes | {a for a in ("sequence", "tensor") if mesh.shape[a] > 1 and (
+      a == "sequence" or cfg.tensor_sequence_parallel)}
   per_replica = accum > 1 and "data" in batch_axes
 
   m = cfg.model
@@ -124,7 +126,10 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
              accum * layers)
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
-    reduced = (grad_bytes if per_replica else param_bytes) * grads
+    # The gradient before its reduction: with one microbatch `grads` is already
+    # the optimizer's shard, with accumulation the whole accumulator.
+    reduced = ((grad_bytes if per_replica else param_bytes) * grads
+               * (_prod(rest & o_axes, mesh) if accum == 1 else 1))
     comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
     comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
@@ -146,14 +151,16 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   Per layer and microbatch, each forward of an attention or MLP block under
   `tensor` all-reduces its output (Megatron), or with sequence parallelism
   all-gathers its input and reduce-scatters its output; its backward does the
-  transpose, and re-gathers the input it kept split unless the layer is
-  recomputed (`remat="full"`). A layer runs its forward once, again under full
-  recomputation, and again in a pipeline's backward tick (it recomputes the
-  chunk; the last chunk runs no forward of its own). The embedding lookup in a
+  transpose, and re-gathers the input it kept split (under full recomputation
+  too: XLA gathers again rather than keep the recomputed copy). A layer runs
+  its forward once, and again under full recomputation, where the recomputed
+  block's last reduce-scatter is dead code. The embedding lookup in a
   vocabulary-split table and the head's input gradient are summed over
-  `tensor` once each. Under `sequence` attention moves K and V
-  (`_sequence_attention`). A pipeline sends one activation right and one
-  gradient left every tick.
+  `tensor` once each, and the vocabulary-split cross-entropy all-reduces
+  three float32 numbers per token (Megatron's vocab-parallel loss). Under
+  `sequence` attention moves K and V (`_sequence_attention`). A pipeline
+  sends one activation right and one gradient left every tick, and its W
+  (the weight gradients, split from B) gathers a block's input once more.
   """
   m = cfg.model
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
@@ -164,19 +171,18 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   s = cfg.seq_len // mesh.shape["sequence"]
   activation = act_bytes * rows * s * m.embed_dim
   passes = cfg.grad_accum_steps * microbatches
-  chunks = stages * cfg.pipeline.virtual_stages
-  # A pipeline runs F on every chunk but the last (its B recomputes it with the
-  # loss), and B recomputes the chunk; on average per device:
-  forwards = (2 - 1 / chunks if stages > 1 else 1) + (cfg.remat == "full")
+  forwards = 1 + (cfg.remat == "full")  # a pipeline's B recomputes nothing
   layer_passes = m.num_layers // stages * passes
   if cfg.tensor_sequence_parallel:
-    comm.add("all-gather", {"tensor"}, activation, mesh,
-             2 * (forwards + 1 + (cfg.remat != "full")) * layer_passes + 2 * passes)
+    gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
+    comm.add("all-gather", {"tensor"}, activation, mesh, 2 * gathers * layer_passes + 2 * passes)
     comm.add("reduce-scatter", {"tensor"}, activation, mesh,
-             2 * (forwards + 1) * layer_passes + passes)
+             (2 * (forwards + 1) - (cfg.remat == "full")) * layer_passes + passes)
   else:
     comm.add("all-reduce", {"tensor"}, activation, mesh,
              2 * (forwards + 1) * layer_passes + 2 * passes)
+  if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
+    comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if stages > 1:
@@ -196,8 +202,11 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
   q, kv = token_bytes * split(m.num_heads), token_bytes * split(m.num_kv_heads)
   strategy = cfg.attention.sequence_strategy
-  if strategy == "all_gather_kv":  # K and V gathered whole; dK and dV scattered back
-    comm.add("all-gather", {"sequence"}, n * kv, mesh, 2 * forwards * layer_passes)
+  if strategy == "all_gather_kv":
+    # K and V gathered whole in each forward and again for the backward (the
+    # partitioner keeps their shards, not the gathered copies); dK and dV
+    # scattered back.
+    comm.add("all-gather", {"sequence"}, n * kv, mesh, 2 * (forwards + 1) * layer_passes)
     comm.add("reduce-scatter", {"sequence"}, 2 * n * kv, mesh, layer_passes)
   elif strategy == "ulysses":  # q, k, v to head sharding and the output back, both ways
     repeated = token_bytes * split(sequence.ulysses_kv_heads(m.num_heads, m.num_kv_heads, n, t))
@@ -252,32 +261,42 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> i
              if not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
 
 
+def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
+  """What one pipeline stage holds at its peak, in microbatch-chunks
+  (`meshtrain.parallel.pipeline.runtime`): chunk inputs and input gradients
+  waiting in their receive slots, and layer residuals, F's `res` stash and
+  B's `cut` for W (counted at a chunk's residuals each: W needs the weight
+  matmuls' inputs and their output gradients)."""
+  table = schedule_table(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
+  return (table.num_slots("act") + table.num_slots("grad"),
+          table.num_slots("res") + table.num_slots("cut"))
+
+
 def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
   """Peak bytes per device of what the backward needs: the residuals the
   model saves (`meshtrain.analysis.residuals`), and while one layer's backward
-  runs under recomputation, what that layer recomputes.
-
-  A pipeline stage holds the schedule's stash of chunk inputs, and while a
-  backward runs (it recomputes the chunk, `meshtrain.train.pipelined`) one
-  microbatch's residuals of a chunk, with embedding and head.
+  runs under recomputation, what that layer recomputes. A pipeline stage
+  holds `pipeline_slots` of a chunk's inputs and residuals (with embedding
+  and head) for one microbatch each.
   """
   m, stages = cfg.model, mesh.shape["pipeline"]
   rows = cfg.global_batch // cfg.grad_accum_steps
   layers = m.num_layers
-  stash = 0
+  inputs, residual_slots = 0, 1
   if stages > 1:
     p = cfg.pipeline
-    table = schedule_table(p.schedule, stages, p.microbatches, p.virtual_stages)
+    input_slots, residual_slots = pipeline_slots(cfg, stages, p.microbatches, p.virtual_stages)
     rows, layers = rows // p.microbatches, layers // (stages * p.virtual_stages)
     per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
-    stash = (table.num_act_slots * per_device_rows * length * m.embed_dim
-             * jnp.dtype(cfg.compute_dtype).itemsize)
+    inputs = (input_slots * per_device_rows * length * m.embed_dim
+              * jnp.dtype(cfg.compute_dtype).itemsize)
   saved = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat=cfg.remat)
+  recomputed = 0
   if cfg.remat != "none":  # one layer's recomputed residuals, live during its backward
     everything = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat="none")
-    saved += (everything - saved) // layers
-  return stash + saved
+    recomputed = (everything - saved) // layers
+  return inputs + residual_slots * saved + recomputed
 
 
 def _device_bytes(abstract, shardings) -> int:

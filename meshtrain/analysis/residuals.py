@@ -169,7 +169,13 @@ def propagate(jaxpr, in_specs: Sequence[Spec], mesh) -> list[Spec]:
   contracts a split dimension leaves partial sums, which XLA reduces straight
   into the layout their first user needs (Megatron's row-parallel output
   reduce-scattered under sequence parallelism), so such a value and its
-  elementwise copies take the split of the value they feed."""
+  elementwise copies take the split of the value they feed. A call (a
+  `jax.checkpoint` around the matmul) passes its partial sums out."""
+  return _propagate(jaxpr, in_specs, mesh)[0]
+
+
+def _propagate(jaxpr, in_specs: Sequence[Spec], mesh) -> tuple[list[Spec], list[bool]]:
+  """`propagate`, and which outputs are partial sums."""
   env, partial = {}, set()
 
   def read(v) -> Spec:
@@ -182,12 +188,12 @@ def propagate(jaxpr, in_specs: Sequence[Spec], mesh) -> list[Spec]:
   for eqn in jaxpr.eqns:
     specs = [read(v) for v in eqn.invars]
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
-    outs = _nested(eqn, specs, mesh)
-    if outs is None:
-      outs = _rule(eqn, specs, shapes)
+    nested = _nested(eqn, specs, mesh)
+    outs, sums = nested if nested else (_rule(eqn, specs, shapes), [False] * len(eqn.outvars))
     for v, s in zip(eqn.outvars, outs):
       if hasattr(v.aval, "shape"):
         env[v] = _clean(v.aval.shape, s, mesh)
+    partial.update(v for v, is_sum in zip(eqn.outvars, sums) if is_sum)
     if _sums_partials(eqn, specs) or (eqn.primitive.name in _COPIES and _is_var(eqn.invars[0])
                                       and eqn.invars[0] in partial):
       partial.add(eqn.outvars[0])
@@ -199,15 +205,16 @@ def propagate(jaxpr, in_specs: Sequence[Spec], mesh) -> list[Spec]:
       if _is_var(v) and v in partial and v.aval.shape == out.aval.shape:
         merged = tuple(tuple(dict.fromkeys(a + b)) for a, b in zip(env[v], read(out)))
         env[v] = _clean(v.aval.shape, merged, mesh)
-  return [read(v) for v in jaxpr.outvars]
+  return [read(v) for v in jaxpr.outvars], [_is_var(v) and v in partial for v in jaxpr.outvars]
 
 
 def _is_var(v) -> bool:
   return not isinstance(v, core.Literal)
 
 
-# Ops that copy a value elementwise (a partial sum stays one through them).
-_COPIES = ("reduce_precision", "convert_element_type", "copy", "copy_p")
+# Ops that copy a value elementwise (a partial sum stays one through them;
+# `name` is `checkpoint_name`, which names what selective recomputation saves).
+_COPIES = ("reduce_precision", "convert_element_type", "copy", "copy_p", "name")
 
 
 def _sums_partials(eqn, specs) -> bool:
@@ -217,28 +224,33 @@ def _sums_partials(eqn, specs) -> bool:
   return any(specs[0][i] for i in lc) or any(specs[1][i] for i in rc)
 
 
-def _nested(eqn, specs, mesh) -> list[Spec] | None:
-  """Layouts through scans (the stacked axis whole) and calls; None if not nested."""
+def _nested(eqn, specs, mesh) -> tuple[list[Spec], list[bool]] | None:
+  """Layouts through scans (the stacked axis whole) and calls, and which
+  outputs of a call are partial sums; None if not nested."""
+  none = [False] * len(eqn.outvars)
   if eqn.primitive.name == "scan":
     p = eqn.params
     body = p["jaxpr"].jaxpr
     fixed = p["num_consts"] + p["num_carry"]
     outs = propagate(body, list(specs[:fixed]) + [s[1:] for s in specs[fixed:]], mesh)
-    return outs[:p["num_carry"]] + [((),) + s for s in outs[p["num_carry"]:]]
+    return outs[:p["num_carry"]] + [((),) + s for s in outs[p["num_carry"]:]], none
   if eqn.primitive.name == "shard_map":  # manual axes from out_specs, automatic ones from the body
     p, manual = eqn.params, eqn.params["newly_manual_axes"]
     outs = propagate(p["jaxpr"], [tuple(tuple(a for a in axes if a not in manual) for axes in s)
                                   for s in specs], mesh)
     return [tuple(m + tuple(a for a in axes if a not in m) for m, axes in
                   zip(_from_partition_spec(out_spec, len(s)), s))
-            for out_spec, s in zip(p["out_specs"], outs)]
+            for out_spec, s in zip(p["out_specs"], outs)], none
   if eqn.primitive.name == "while":
-    return list(specs[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:])
+    return list(specs[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]), none
   sub = _sub_jaxpr(eqn)
   if sub is None or len(sub.outvars) != len(eqn.outvars):
     return None
   offset = len(specs) - len(sub.invars)  # cond: the branch index comes first
-  return propagate(sub, specs[offset:], mesh) if offset >= 0 else None
+  if offset < 0:
+    return None
+  outs, sums = _propagate(sub, specs[offset:], mesh)
+  return outs, sums if offset == 0 else none
 
 
 def _specs(names_tree, rules: r.Rules, drop: Sequence[str] = ()) -> list[Spec]:

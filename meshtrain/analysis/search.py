@@ -192,7 +192,6 @@ class StepModel:
 
   def __init__(self, cfg, cluster: Cluster, achievable: float = ACHIEVABLE):
     self.cfg, self.cluster, self.achievable = cfg, cluster, achievable
-    self.pipeline_recomputes = True  # meshtrain's pipeline does; a published run may not
     self.model_cfg = model_config(cfg)
     self.spec = llama_spec(self.model_cfg)
     m = cfg.model
@@ -206,9 +205,6 @@ class StepModel:
 
   def recompute_per_token(self, c: Candidate) -> float:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
-    if c.sizes["pipeline"] > 1 and self.pipeline_recomputes:
-      # meshtrain's B recomputes its chunk (the last chunk's F computes nothing)
-      forwards += 1 - 1 / (c.sizes["pipeline"] * c.virtual_stages)
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
 
   def activation_bytes(self, cfg, c: Candidate) -> int:
@@ -217,19 +213,20 @@ class StepModel:
     replicas = sizes["data"] * sizes["fsdp"]
     rows = cfg.global_batch // c.grad_accum_steps
     layers = cfg.model.num_layers
-    stash = 0.0
+    inputs, residual_slots = 0.0, 1
     if sizes["pipeline"] > 1:
-      table = plan_lib.schedule_table(cfg.pipeline.schedule, sizes["pipeline"], c.microbatches,
-                                      c.virtual_stages)
+      input_slots, residual_slots = plan_lib.pipeline_slots(cfg, sizes["pipeline"], c.microbatches,
+                                                            c.virtual_stages)
       rows, layers = rows // c.microbatches, layers // (sizes["pipeline"] * c.virtual_stages)
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
-      stash = (table.num_act_slots * rows / replicas * length / sizes["sequence"]
-               * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
+      inputs = (input_slots * rows / replicas * length / sizes["sequence"]
+                * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
     saved = self.activations.bytes(sizes, c.remat, rows / replicas, layers)
+    recomputed = 0.0
     if c.remat != "none":  # one layer's recomputed residuals, live during its backward
       everything = self.activations.bytes(sizes, "none", rows / replicas, layers)
-      saved += (everything - saved) / layers
-    return int(stash + saved)
+      recomputed = (everything - saved) / layers
+    return int(inputs + residual_slots * saved + recomputed)
 
   def analytic(self, cfg, c: Candidate) -> dict:
     """`plan.analytic` (state bytes and collectives) without the activations."""
@@ -324,7 +321,8 @@ def candidates(cfg, devices: int, cluster: Cluster):
 def search(cfg, devices: int, cluster: Cluster, top: int = 5,
            achievable: float = ACHIEVABLE) -> tuple[list[Estimate], int, StepModel]:
   """The `top` fastest candidates that fit, each with its cheapest
-  recomputation that fits (recomputation only adds time), and how many fit."""
+  recomputation that fits (recomputation only adds time), and how many fit.
+  Of equally fast ones, the one that leaves the most memory free comes first."""
   model = StepModel(cfg, cluster, achievable)
   best = []
   for c in candidates(cfg, devices, cluster):
@@ -337,17 +335,15 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
       if model.fits(held + model.activation_bytes(cfg_c, chosen)):
         best.append(model.estimate(chosen, cfg_c))
         break
-  best.sort(key=lambda e: e.step_s)
+  best.sort(key=lambda e: (e.step_s, e.memory_bytes["total"]))
   return best[:top], len(best), model
 
 
-def rank_of(results: list[Estimate], c: Candidate) -> int | None:
-  """1-based rank of a candidate (any recomputation) among `results`."""
-  key = dataclasses.replace(c, remat="none")
-  for i, e in enumerate(results, 1):
-    if dataclasses.replace(e.candidate, remat="none") == key:
-      return i
-  return None
+def rank_of(results: list[Estimate], sizes: dict) -> int | None:
+  """1-based rank of the fastest candidate on mesh `sizes` among `results`;
+  equally fast candidates share a rank. None where no candidate has it."""
+  mine = [e.step_s for e in results if e.candidate.sizes == sizes]
+  return 1 + sum(e.step_s < min(mine) for e in results) if mine else None
 
 
 def check_published(run, rank: bool = True) -> dict:
@@ -362,10 +358,8 @@ def check_published(run, rank: bool = True) -> dict:
   else:  # only the published configuration's prediction
     results, fitting, model = [], None, StepModel(cfg, cluster)
   sizes = {a: run.mesh.get(a, 1) for a in AXES}
-  rank = next((i for i, e in enumerate(results, 1) if e.candidate.sizes == sizes), None)
-  # As the publication ran it: its recomputation, none of meshtrain's own in
-  # the pipeline; its schedule the fastest the mesh allows.
-  model.pipeline_recomputes = False
+  rank = rank_of(results, sizes)
+  # As the publication ran it: its recomputation; its schedule the fastest the mesh allows.
   if rank is None:  # does not fit, or meshtrain does not run it
     rows = cfg.global_batch // (sizes["data"] * sizes["fsdp"])
     p, layers = sizes["pipeline"], cfg.model.num_layers
