@@ -24,6 +24,11 @@ def mesh_text(sizes: dict) -> str:
 
 
 def main():
+  # First, so that no earlier search has warmed a cache.
+  start = time.process_time()
+  _, fitting, _ = search.search(load(REPO / "configs" / "llama_70b.py"), 1024,
+                                clusters.PRESETS["h100"], top=5)
+  seconds = time.process_time() - start
   rows, table = [], [
       "| run | devices | published mesh | rank (of fitting) | published TFLOP/s | "
       "predicted | predicted / published | planner's first choice | its prediction |",
@@ -46,10 +51,6 @@ def main():
         f"{check['predicted_tflops']:.0f} | {check['predicted_tflops'] / check['published_tflops']:.2f} | "
         f"{choice} | {check['first_tflops'] or 0:.0f} |")
     print(table[-1], flush=True)
-  start = time.process_time()
-  _, fitting, _ = search.search(load(REPO / "configs" / "llama_70b.py"), 1024,
-                                clusters.PRESETS["h100"], top=5)
-  seconds = time.process_time() - start
   rows.append({"run": "llama_70b search on 1,024 h100", "fitting": fitting, "search_cpu_s": seconds})
   table.append(f"\nSearching configs/llama_70b.py on 1,024 h100 ({fitting} configurations fit) "
                f"took {seconds:.1f} CPU seconds (the target is under 30).")

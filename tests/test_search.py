@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, micro_config
 from meshtrain.analysis import clusters, published, search
-from meshtrain.analysis.plan import abstract_mesh, activation_bytes
+from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
 from meshtrain.train.setup import sharding_rules
 
@@ -18,6 +18,7 @@ from meshtrain.train.setup import sharding_rules
 @pytest.mark.parametrize("mesh, remat, tolerance", [
     (dict(data=8), "none", 0.05), (dict(data=2, tensor=4), "selective", 0.05),
     (dict(data=4, tensor=2), "full", 0.05), (dict(data=2, sequence=4), "full", 0.10),
+    (dict(data=4, pipeline=2), "selective", 0.05),
 ])
 def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance):
   """The search traces a few small layouts and scales them; `plan` traces the
@@ -30,9 +31,11 @@ def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance):
   sizes = abstract_mesh(cfg.mesh, 8).shape
   model = search.StepModel(cfg, clusters.PRESETS["tpu_v5p"])  # XLA's attention, as traced
   candidate = search.Candidate(tuple(sizes.items()), remat=remat,
+                               microbatches=cfg.pipeline.microbatches,
                                tensor_sequence_parallel=cfg.tensor_sequence_parallel)
-  exact = activation_bytes(cfg, abstract_mesh(cfg.mesh, 8),
-                           sharding_rules(cfg, abstract_mesh(cfg.mesh, 8)))
+  mesh = abstract_mesh(cfg.mesh, 8)
+  exact = (activation_bytes(cfg, mesh, sharding_rules(cfg, mesh)),
+           backward_bytes(cfg, mesh, sharding_rules(cfg, mesh)))
   assert model.activation_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
 
 

@@ -98,7 +98,7 @@ def test_plan_cli_plans_8b_on_1024_devices_without_devices(tmp_path):
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
   memory = report["analytic"]["memory_bytes"]
-  assert set(memory) == {"params", "grads", "optimizer", "activations", "total"}
+  assert set(memory) == {"params", "grads", "optimizer", "activations", "backward", "total"}
   # Fully sharded over fsdp=64: bf16 working weights (2 bytes), float32 gradients (4),
   # float32 master weights, m and v (12), each divided by 64.
   state = memory["params"] + memory["grads"] + memory["optimizer"]

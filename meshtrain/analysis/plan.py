@@ -86,7 +86,8 @@ class _Comm:
 
 def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step;
-  `activations` replaces the traced activation bytes (the search scales its own)."""
+  `activations=0` leaves out the traced activation and backward bytes (the
+  search scales its own)."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
@@ -98,7 +99,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   per_replica = accum > 1 and "data" in batch_axes
 
   m = cfg.model
-  memory = dict.fromkeys(("params", "grads", "optimizer", "activations"), 0.0)
+  memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
   comm = _Comm()
   for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
                          jax.tree.leaves(spec.abstract_params)):
@@ -133,8 +134,9 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
     comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
-  memory["activations"] = (activation_bytes(cfg, mesh, rules) if activations is None
-                           else activations)
+  if activations is None:
+    memory["activations"] = activation_bytes(cfg, mesh, rules)
+    memory["backward"] = backward_bytes(cfg, mesh, rules)
   _activation_traffic(cfg, mesh, comm)
   collectives = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
@@ -261,42 +263,62 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> i
              if not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
 
 
-def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
+def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> tuple[int, int, int]:
   """What one pipeline stage holds at its peak, in microbatch-chunks
-  (`meshtrain.parallel.pipeline.runtime`): chunk inputs and input gradients
-  waiting in their receive slots, and layer residuals, F's `res` stash and
-  B's `cut` for W (counted at a chunk's residuals each: W needs the weight
-  matmuls' inputs and their output gradients)."""
+  (`meshtrain.parallel.pipeline.runtime`; every stage allocates the largest
+  stage's buffers): chunk inputs and input gradients waiting in their receive
+  slots; layer residuals, F's `res` stash and B's `cut` for W (counted at a
+  chunk's residuals each: W needs the weight matmuls' inputs and their output
+  gradients); and the head's and loss's residuals, which only the last chunk
+  keeps (`head_res` and `head_cut`)."""
   table = schedule_table(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
   return (table.num_slots("act") + table.num_slots("grad"),
-          table.num_slots("res") + table.num_slots("cut"))
+          table.num_slots("res") + table.num_slots("cut"),
+          table.num_slots("head_res") + table.num_slots("head_cut"))
+
+
+def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str) -> tuple[int, int]:
+  """Per-device bytes one layer saves on `rows` sequences, and what the
+  embedding, head and loss save: residuals grow linearly with depth (the
+  layers' scan stacks them), so two traces give both."""
+  one, two = (residual_bytes(cfg, mesh, rules, layers=n, rows=rows, remat=remat) for n in (1, 2))
+  return two - one, 2 * one - two
+
+
+def _microbatch_rows(cfg, mesh) -> int:
+  """Sequences (over all devices) that one forward and backward runs on."""
+  rows = cfg.global_batch // cfg.grad_accum_steps
+  return rows // cfg.pipeline.microbatches if mesh.shape["pipeline"] > 1 else rows
 
 
 def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
-  """Peak bytes per device of what the backward needs: the residuals the
-  model saves (`meshtrain.analysis.residuals`), and while one layer's backward
-  runs under recomputation, what that layer recomputes. A pipeline stage
-  holds `pipeline_slots` of a chunk's inputs and residuals (with embedding
-  and head) for one microbatch each.
+  """Peak bytes per device of the residuals the model saves for its backward
+  (`meshtrain.analysis.residuals`). A pipeline stage holds `pipeline_slots`
+  of a chunk's inputs, of its layers' residuals and of the head's, for one
+  microbatch each.
   """
   m, stages = cfg.model, mesh.shape["pipeline"]
-  rows = cfg.global_batch // cfg.grad_accum_steps
-  layers = m.num_layers
-  inputs, residual_slots = 0, 1
+  rows, layers = _microbatch_rows(cfg, mesh), m.num_layers
+  inputs, residual_slots, head_slots = 0, 1, 1
   if stages > 1:
     p = cfg.pipeline
-    input_slots, residual_slots = pipeline_slots(cfg, stages, p.microbatches, p.virtual_stages)
-    rows, layers = rows // p.microbatches, layers // (stages * p.virtual_stages)
+    input_slots, residual_slots, head_slots = pipeline_slots(cfg, stages, p.microbatches,
+                                                             p.virtual_stages)
+    layers //= stages * p.virtual_stages
     per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
     inputs = (input_slots * per_device_rows * length * m.embed_dim
               * jnp.dtype(cfg.compute_dtype).itemsize)
-  saved = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat=cfg.remat)
-  recomputed = 0
-  if cfg.remat != "none":  # one layer's recomputed residuals, live during its backward
-    everything = residual_bytes(cfg, mesh, rules, layers=layers, rows=rows, remat="none")
-    recomputed = (everything - saved) // layers
-  return inputs + residual_slots * saved + recomputed
+  per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat)
+  return inputs + residual_slots * layers * per_layer + head_slots * head
+
+
+def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
+  """What one layer's backward holds at its peak beyond the saved residuals:
+  its forward's intermediates (recomputed under `remat`) and their
+  cotangents. Against the compiled step (bench/plan_memory.py) that is about
+  two layers' residuals without recomputation, whatever the policy."""
+  return 2 * layer_and_head_residuals(cfg, mesh, rules, _microbatch_rows(cfg, mesh), "none")[0]
 
 
 def _device_bytes(abstract, shardings) -> int:

@@ -146,21 +146,21 @@ class _ActivationModel:
       out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked, scores))
     return out
 
-  def bytes(self, sizes: dict, remat: str, rows: float, layers: int) -> float:
-    """Residuals of `layers` layers with embedding and head, on `rows`
-    sequences per device (sequence parallelism whenever `tensor` splits)."""
+  def bytes(self, sizes: dict, remat: str, rows: float, layers: int) -> tuple[float, float]:
+    """Residuals of `layers` layers, and of embedding, head and loss, on
+    `rows` sequences per device (sequence parallelism whenever `tensor` splits)."""
     t, s = sizes["tensor"], sizes["sequence"]
     replicas = sizes["data"] * sizes["fsdp"]
-    total = 0.0
+    totals = [0.0, 0.0]
     for nbytes, axes, per_row, stacked, scores in self._traced(
         remat, t > 1, s > 1, self.cfg.model.num_kv_heads % t == 0):
       if scores and self.flash:  # flash attention keeps no scores (without `sequence`)
         continue
       nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
           layers / TRACED_LAYERS if stacked else 1)
-      total += nbytes / (replicas if "data" in axes else 1) / (t if "tensor" in axes else 1) / (
-          s if "sequence" in axes else 1)
-    return total
+      totals[not stacked] += nbytes / (replicas if "data" in axes else 1) / (
+          t if "tensor" in axes else 1) / (s if "sequence" in axes else 1)
+    return totals[0], totals[1]
 
 
 @dataclasses.dataclass
@@ -207,26 +207,23 @@ class StepModel:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
 
-  def activation_bytes(self, cfg, c: Candidate) -> int:
-    """`plan.activation_bytes`, from the scaled traces."""
+  def activation_bytes(self, cfg, c: Candidate) -> tuple[int, int]:
+    """`plan.activation_bytes` and `plan.backward_bytes`, from the scaled traces."""
     sizes = c.sizes
     replicas = sizes["data"] * sizes["fsdp"]
     rows = cfg.global_batch // c.grad_accum_steps
     layers = cfg.model.num_layers
-    inputs, residual_slots = 0.0, 1
+    inputs, residual_slots, head_slots = 0.0, 1, 1
     if sizes["pipeline"] > 1:
-      input_slots, residual_slots = plan_lib.pipeline_slots(cfg, sizes["pipeline"], c.microbatches,
-                                                            c.virtual_stages)
+      input_slots, residual_slots, head_slots = plan_lib.pipeline_slots(
+          cfg, sizes["pipeline"], c.microbatches, c.virtual_stages)
       rows, layers = rows // c.microbatches, layers // (sizes["pipeline"] * c.virtual_stages)
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
       inputs = (input_slots * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
-    saved = self.activations.bytes(sizes, c.remat, rows / replicas, layers)
-    recomputed = 0.0
-    if c.remat != "none":  # one layer's recomputed residuals, live during its backward
-      everything = self.activations.bytes(sizes, "none", rows / replicas, layers)
-      recomputed = (everything - saved) / layers
-    return int(inputs + residual_slots * saved + recomputed)
+    saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers)
+    backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1)[0]
+    return int(inputs + residual_slots * saved + head_slots * head), int(backward)
 
   def analytic(self, cfg, c: Candidate) -> dict:
     """`plan.analytic` (state bytes and collectives) without the activations."""
@@ -239,7 +236,8 @@ class StepModel:
     report = report or self.analytic(cfg, c)
     cluster, sizes = self.cluster, c.sizes
     devices = math.prod(sizes.values())
-    memory = dict(report["memory_bytes"], activations=self.activation_bytes(cfg, c))
+    activations, backward = self.activation_bytes(cfg, c)
+    memory = dict(report["memory_bytes"], activations=activations, backward=backward)
     memory["total"] = sum(v for k, v in memory.items() if k != "total")
     tokens = cfg.global_batch * cfg.seq_len
     model_flops = tokens * self.flops_per_token
@@ -332,7 +330,7 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
     for remat in REMATS:
       chosen = dataclasses.replace(c, remat=remat)
       cfg_c.remat = remat
-      if model.fits(held + model.activation_bytes(cfg_c, chosen)):
+      if model.fits(held + sum(model.activation_bytes(cfg_c, chosen))):
         best.append(model.estimate(chosen, cfg_c))
         break
   best.sort(key=lambda e: (e.step_s, e.memory_bytes["total"]))
@@ -370,7 +368,8 @@ def check_published(run, rank: bool = True) -> dict:
                                          tensor_sequence_parallel=sizes["tensor"] > 1))
                 for m, v in schedules_), key=lambda e: e.step_s)
   else:
-    mine = model.estimate(dataclasses.replace(results[rank - 1].candidate, remat=run.remat))
+    fastest = next(e for e in results if e.candidate.sizes == sizes)
+    mine = model.estimate(dataclasses.replace(fastest.candidate, remat=run.remat))
   published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
   def tflops(e):
