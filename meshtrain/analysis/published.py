@@ -55,8 +55,9 @@ MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training
 
 PIPELINE_BUBBLE = (
     "with meshtrain's costs the 16-stage pipeline's bubble and its exposed sends (15% to "
-    "25% of the step) cost more than FSDP's gathers, which hide under compute, so "
-    "FSDP x TP meshes rank first")
+    "25% of the step) cost more than FSDP's gathers, which hide under compute, and in "
+    "meshtrain's memory model the mesh fits only with recomputation, so FSDP x TP meshes "
+    "rank first")
 
 NO_ZERO = (
     "Megatron-LM (2021) had no ZeRO or FSDP, so it split large models with tensor "
