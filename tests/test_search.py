@@ -36,7 +36,7 @@ def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance):
   mesh = abstract_mesh(cfg.mesh, 8)
   exact = (activation_bytes(cfg, mesh, sharding_rules(cfg, mesh)),
            backward_bytes(cfg, mesh, sharding_rules(cfg, mesh)))
-  assert model.activation_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
+  assert model.activation_and_backward_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
 
 
 def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():

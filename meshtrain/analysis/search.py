@@ -207,7 +207,7 @@ class StepModel:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
 
-  def activation_bytes(self, cfg, c: Candidate) -> tuple[int, int]:
+  def activation_and_backward_bytes(self, cfg, c: Candidate) -> tuple[int, int]:
     """`plan.activation_bytes` and `plan.backward_bytes`, from the scaled traces."""
     sizes = c.sizes
     replicas = sizes["data"] * sizes["fsdp"]
@@ -236,7 +236,7 @@ class StepModel:
     report = report or self.analytic(cfg, c)
     cluster, sizes = self.cluster, c.sizes
     devices = math.prod(sizes.values())
-    activations, backward = self.activation_bytes(cfg, c)
+    activations, backward = self.activation_and_backward_bytes(cfg, c)
     memory = dict(report["memory_bytes"], activations=activations, backward=backward)
     memory["total"] = sum(v for k, v in memory.items() if k != "total")
     tokens = cfg.global_batch * cfg.seq_len
@@ -330,7 +330,7 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
     for remat in REMATS:
       chosen = dataclasses.replace(c, remat=remat)
       cfg_c.remat = remat
-      if model.fits(held + sum(model.activation_bytes(cfg_c, chosen))):
+      if model.fits(held + sum(model.activation_and_backward_bytes(cfg_c, chosen))):
         best.append(model.estimate(chosen, cfg_c))
         break
   best.sort(key=lambda e: (e.step_s, e.memory_bytes["total"]))
