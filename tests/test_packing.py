@@ -1,6 +1,6 @@
 """Packed documents (`config.data.packing="segments"`): a token sees only its
 own document, positions restart there, and every strategy agrees with one
-device (float32)."""
+device (float32), the pipeline included."""
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,7 @@ CASES = {
     **{f"data=4 sequence=2 {strategy}": dict(mesh=dict(data=4, sequence=2),
                                             attention=dict(sequence_strategy=strategy))
        for strategy in ("ring", "ulysses", "all_gather_kv")},
+    "data=4 pipeline=2 1f1b": dict(mesh=dict(data=4, pipeline=2), pipeline=dict(microbatches=2)),
 }
 
 
