@@ -172,6 +172,9 @@ def _search(cfg) -> None:
   if not _DEVICES.value or _DEVICES.value < 1:
     raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
                       "e.g. --devices 1024")
+  for flag in (_TOP, _GLOBAL_BATCH, _SEQ_LEN):
+    if flag.value is not None and flag.value < 1:
+      raise ConfigError(f"--{flag.name}", f"is {flag.value}; give a positive number")
   with cfg.unlocked():
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
@@ -327,6 +330,8 @@ def verify_command(argv: list[str]) -> None:
   exits 1 when they differ by more than float32 reordering explains."""
   del argv
   logging.set_verbosity(logging.WARNING)
+  if _VERIFY_STEPS.value < 1:
+    raise ConfigError("--verify_steps", f"is {_VERIFY_STEPS.value}; compare 1 or more train steps")
   cfg = joined_config()
   report = selfcheck.verify_config(cfg, _VERIFY_STEPS.value)
   print(report.format())
