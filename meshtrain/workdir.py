@@ -1,4 +1,5 @@
-"""A run's workdir read back (export-hf, generate): its config and the weights of one checkpoint."""
+"""A run's workdir read back (export-hf, generate): its config and the weights
+of one checkpoint; and the new or empty directory a command writes into."""
 
 import json
 from pathlib import Path
@@ -9,6 +10,19 @@ import orbax.checkpoint as ocp
 
 from meshtrain.config import get_config
 from meshtrain.errors import ConfigError
+
+
+def check_new_directory(directory, key: str, holds: str | None = None) -> None:
+  """Refuses `directory` unless it is new or empty: what a command writes
+  (config.json, tokenizer.json, ...) would overwrite files of the same names.
+  `holds` names what the caller recognized in it (a run, a model)."""
+  directory = Path(directory)
+  if not directory.exists():
+    return
+  problem = ("is a file" if not directory.is_dir() else f"already holds {holds}" if holds
+             else "is not empty" if any(directory.iterdir()) else None)
+  if problem:
+    raise ConfigError(key, f"{directory} {problem}; give a new or empty directory")
 
 
 def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:

@@ -193,6 +193,12 @@ def test_export_loads_in_transformers_and_round_trips_bit_for_bit(tmp_path):
           transformers.AutoTokenizer.from_pretrained(source)(text)["input_ids"])
   with pytest.raises(ConfigError, match="already holds a model"):
     export_hf(cfg, params, imported, out)
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "tokenizer.json").write_text("mine")
+  with pytest.raises(ConfigError, match="is not empty; give a new or empty directory"):
+    export_hf(cfg, params, imported, tmp_path / "notes")
+  assert [p.name for p in (tmp_path / "notes").iterdir()] == ["tokenizer.json"]
+  assert (tmp_path / "notes" / "tokenizer.json").read_text() == "mine"
 
 
 def _no_config(directory):
@@ -240,6 +246,14 @@ def test_bad_model_directories_are_refused_before_anything_is_written(breakage, 
     import_hf(micro_config(), source, tmp_path / "imported")
   assert error.value.key == "--from"
   assert not (tmp_path / "imported").exists()
+
+
+def test_import_into_a_directory_that_holds_other_files_is_refused(good_hf_dir, tmp_path):
+  (tmp_path / "corpus").mkdir()
+  (tmp_path / "corpus" / "meta.json").write_text("{}")
+  with pytest.raises(ConfigError, match="corpus is not empty; give a new or empty directory"):
+    import_hf(micro_config(), good_hf_dir, tmp_path / "corpus")
+  assert [p.name for p in (tmp_path / "corpus").iterdir()] == ["meta.json"]
 
 
 def meshtrain(command, *args, cwd):

@@ -19,6 +19,7 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
@@ -58,8 +59,8 @@ def _shard_sizes(params, num_layers: int, itemsize: int, max_shard_bytes: int) -
 
 def check_target(directory) -> None:
   directory = Path(directory)
-  if (directory / "config.json").exists() or any(directory.glob("*.safetensors")):
-    raise ConfigError("--to", f"{directory} already holds a model; give a new or empty directory")
+  model = (directory / "config.json").exists() or any(directory.glob("*.safetensors"))
+  saved_run.check_new_directory(directory, "--to", "a model" if model else None)
 
 
 def _tokenizer_files(cfg, directory: Path) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from meshtrain import workdir as saved_run
 from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
 from meshtrain.data import tokenizer as tokenizers
@@ -54,8 +55,8 @@ def import_hf(cfg, source, workdir) -> Path:
   """Writes `workdir` from the Hugging Face Llama in `source` on the mesh of `cfg`."""
   source, workdir = Path(source), Path(workdir).absolute()
   hf = hf_config.read(source, key="--from")
-  if (workdir / "checkpoints").exists() or (workdir / "config.json").exists():
-    raise ConfigError("--to", f"{workdir} already holds a run; give a new directory")
+  run = (workdir / "checkpoints").exists() or (workdir / "config.json").exists()
+  saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
   cfg.model.update(hf_config.model_keys(hf))
   cfg.workdir = str(workdir)
   has_tokenizer = (source / tokenizers.TOKENIZER_FILE).is_file()
