@@ -15,6 +15,7 @@ would give, only before anything is compiled or written.
 """
 
 import difflib
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -233,6 +234,19 @@ def check_workdir(cfg) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError("config.workdir", f"{existing} is not writable (read-only filesystem or "
                       "no permission); choose a writable config.workdir")
+  saved = workdir / "config.json"
+  if saved.is_file() and not _is_run_config(saved):  # a run writes its own over it
+    raise ConfigError("config.workdir", f"{saved} is not a meshtrain run's config (a Hugging "
+                      "Face model's?); choose a new config.workdir, or `meshtrain import-hf` "
+                      "the model into one")
+
+
+def _is_run_config(path: Path) -> bool:
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return False
+  return isinstance(saved, dict) and {"mesh", "model", "optimizer"} <= saved.keys()
 
 
 def check(cfg, num_devices: int | None = None, platform: str | None = None) -> None:

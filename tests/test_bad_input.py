@@ -121,6 +121,7 @@ CASES = [
     # the workdir and checkpoints
     ("train", ["--config.workdir={tmp}/a_file"], "config.workdir"),
     ("train", ["--config.workdir={tmp}/a_file/run"], "config.workdir"),
+    ("train", ["--config.workdir={tmp}/hf_model"], "config.workdir"),
     ("train", ["--config.checkpoint.restore_from={tmp}/nowhere"], "config.checkpoint.restore_from"),
     ("train", ["--config.workdir={run}", "--config.seed=1"], "config.workdir"),
     ("train", ["--config.workdir={run}", "--config.global_batch=32"], "config.workdir"),
@@ -196,6 +197,8 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
                                                           request, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "a_file").write_text("not a folder")
+  (tmp_path / "hf_model").mkdir()
+  (tmp_path / "hf_model" / "config.json").write_text('{"model_type": "llama"}')
   for name, body in CONFIG_FILES.items():
     (tmp_path / name).write_text(body)
   run = tmp_path / "run"
