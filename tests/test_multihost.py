@@ -59,6 +59,10 @@ def test_a_checkpoint_of_two_processes_continues_in_one(two_processes, tmp_path)
   np.testing.assert_allclose([resumed[s] for s in resumed], [two[s] for s in resumed], rtol=1e-5)
 
 
+PEER_LOST = ("another task died", "tasks have crashed", "crashed unexpectedly",
+             "Connection closed by peer", "peer closed connection", "send connection has failed")
+
+
 def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
   timeout_s = 10
   port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "
@@ -80,7 +84,9 @@ def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
   _, stderr = processes[0].communicate(timeout=timeout_s + 60)
   assert processes[0].returncode != 0
   assert time.monotonic() - killed_at < timeout_s + 30
-  assert "another task died" in stderr
+  # Which of jax's messages comes first depends on what the survivor was doing
+  # (its heartbeat, or a collective over the closed connection).
+  assert any(message in stderr for message in PEER_LOST), stderr[-3000:]
 
 
 def test_processes_split_over_the_axes_named_across_hosts():
