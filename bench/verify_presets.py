@@ -10,8 +10,6 @@ into docs/partitioner_issues.md, the reference for what float32 reordering
 alone leaves.
 """
 
-import importlib.util
-import math
 import os
 import sys
 from pathlib import Path
@@ -21,6 +19,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 
 from meshtrain.analysis.selfcheck import TOLERANCE, verify_config  # noqa: E402
+from meshtrain.config import load  # noqa: E402
+from meshtrain.mesh import axis_sizes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -30,25 +30,15 @@ PRESETS = ["dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "cp_ring", "cp
            "pp_1f1b", "megatron_3d"]
 
 
-def preset_config(name: str, model: str = "tiny"):
-  path = REPO / "configs" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(model)
-
-
 def main():
   rows = []
   table = ["| preset | mesh | loss | worst gradient | worst | verdict |", "|---|---|---|---|---|---|"]
   for name in PRESETS:
-    cfg = preset_config(name)
+    cfg = load(REPO / "configs" / f"{name}.py", "tiny")
     report = verify_config(cfg)
     what, path, value = report.worst
     worst_grad = max(report.paths, key=lambda p: p.grads)
-    sizes = {a: cfg.mesh[a] for a in ("data", "fsdp", "tensor", "pipeline", "sequence")}
-    known = -math.prod(sizes.values()) if -1 in sizes.values() else 1
-    sizes = {a: jax.device_count() // known if n == -1 else n for a, n in sizes.items()}
+    sizes = axis_sizes(cfg.mesh, jax.device_count())
     mesh = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != 1)
     rows.append({"preset": name, "mesh": sizes, "loss": report.loss,
                  "worst_gradient": worst_grad.grads, "worst_gradient_path": worst_grad.path,

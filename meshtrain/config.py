@@ -113,9 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
-def load(path) -> ml_collections.ConfigDict:
-  """Calls `get_config()` of a config file: strategy presets start from a model preset."""
+def load(path, *args) -> ml_collections.ConfigDict:
+  """Calls `get_config(*args)` of a config file (`configs/tp.py:tiny` is
+  `load("configs/tp.py", "tiny")`): strategy presets start from a model preset."""
   spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(*args)
