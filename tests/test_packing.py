@@ -73,6 +73,8 @@ CASES = {
                                             attention=dict(sequence_strategy=strategy))
        for strategy in ("ring", "ulysses", "all_gather_kv")},
     "data=4 pipeline=2 1f1b": dict(mesh=dict(data=4, pipeline=2), pipeline=dict(microbatches=2)),
+    "data=2 pipeline=2 sequence=2 all_gather_kv": dict(mesh=dict(data=2, pipeline=2, sequence=2),
+                                                       pipeline=dict(microbatches=2)),
 }
 
 

@@ -32,7 +32,8 @@ def pipeline_config(microbatches=4, schedule="1f1b", **changes):
      "config.pipeline.microbatches"),
     (dict(global_batch=12), "config.pipeline.microbatches"),
     (dict(grad_accum_steps=4), "config.pipeline.microbatches"),
-    (dict(mesh=dict(data=2, sequence=2)), "config.mesh.sequence"),  # 4 x 4 > 8 rows per replica
+    (dict(mesh=dict(data=2, sequence=2), attention=dict(sequence_strategy="ring")),
+     "config.attention.sequence_strategy"),
     (dict(pipeline=dict(virtual_stages=2), model=dict(num_layers=4)),
      "config.pipeline.virtual_stages"),  # 1f1b runs one chunk per stage
 ])

@@ -1,7 +1,8 @@
 """The pipeline composed with the other axes and options trains like one
 device (float32), at test_train_equivalence's tolerance: the new schedules,
-tied embeddings, ZeRO 1-3, gradient accumulation and remat (`sequence` is
-refused: tests/test_pipeline.py). Cases combine options to keep compiles few;
+tied embeddings, ZeRO 1-3, gradient accumulation, remat and `sequence` with
+all_gather_kv and ulysses (ring is refused: tests/test_pipeline.py). Cases
+combine options to keep compiles few;
 each option appears at least once. Also the forward-only pipelined loss."""
 
 import jax
@@ -33,6 +34,13 @@ CASES = {
     "pipeline=2 data=4 zero1 remat=full accumulate 2 tied": dict(
         mesh=dict(data=4, pipeline=2), zero_stage=1, remat="full", grad_accum_steps=2,
         model=dict(tie_embeddings=True), pipeline=dict(microbatches=2)),
+    "pipeline=2 data=2 sequence=2 all_gather_kv zb_h1 remat=selective": dict(
+        mesh=dict(data=2, pipeline=2, sequence=2), remat="selective",
+        pipeline=dict(schedule="zb_h1")),
+    "pipeline=2 sequence=2 tensor=2 ulysses interleaved zero3": dict(
+        mesh=dict(data=1, pipeline=2, sequence=2, tensor=2), zero_stage=3,
+        attention=dict(sequence_strategy="ulysses"), model=dict(num_layers=4),
+        pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
 }
 
 

@@ -121,6 +121,33 @@ def test_packed_documents_equal_one_device(strategy):
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inside_a_shard_map_already_manual_over_sequence(strategy):
+  """The pipeline runs its layers manual over `sequence` (and `pipeline`, with
+  `data`): each strategy then makes its collectives on the local shards. Values
+  and gradients equal one device's, with packed documents."""
+  mesh = mesh_of(pipeline=2, sequence=4)
+  q, k, v, cotangent = qkv()
+  segment_ids = jnp.asarray(SEGMENTS_2x32)
+  expected_out, expected_grads = output_and_grads(
+      functools.partial(attention.causal_attention, segment_ids_BxL=segment_ids), q, k, v,
+      cotangent)
+
+  def local(q, k, v, g, s):
+    attend = functools.partial(sequence_attention, strategy=strategy, segment_ids_BxL=s,
+                               mesh=jax.sharding.get_abstract_mesh())
+    return output_and_grads(attend, q, k, v, g)
+
+  by_length = P(None, "sequence")
+  with jax.set_mesh(mesh):
+    out, grads = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=by_length,
+                                       out_specs=by_length, axis_names={"pipeline", "sequence"},
+                                       check_vma=False))(q, k, v, cotangent, segment_ids)
+  np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+  for grad, expected in zip(grads, expected_grads):
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_ulysses_names_what_to_change():
   q, k, v, _ = qkv(heads=6, kv_heads=2)
   with pytest.raises(ValueError, match="set num_heads to a multiple of 4 or change mesh.sequence"):

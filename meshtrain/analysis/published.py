@@ -61,8 +61,8 @@ TORCHTITAN = "pytorch/torchtitan docs/performance.md"
 PIPELINE_BUBBLE = (
     "with meshtrain's costs the 16-stage pipeline's bubble and its exposed sends (15% to "
     "25% of the step) cost more than FSDP's gathers, which hide under compute, and in "
-    "meshtrain's memory model the mesh fits only with recomputation, so FSDP x TP meshes "
-    "rank first")
+    "meshtrain's memory model the mesh fits only with recomputation, so meshes with FSDP "
+    "and at most two stages rank first")
 
 NO_ZERO = (
     "Megatron-LM (2021) had no ZeRO or FSDP, so it split large models with tensor "
@@ -75,8 +75,7 @@ RUNS = (
     Run("Llama 3 405B, 16,384 GPUs", LLAMA3, "h100", 16384, _llama3(), 8192, 2048,
         dict(data=128, pipeline=16, tensor=8), 400, False, note=PIPELINE_BUBBLE),
     Run("Llama 3 405B, 16,384 GPUs, 131K context", LLAMA3, "h100", 16384, _llama3(), 131_072,
-        128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False,
-        note="meshtrain does not compose `sequence` with `pipeline` yet: predicted as if it did"),
+        128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False, note=PIPELINE_BUBBLE),
     Run("Megatron-LM GPT 1.7B", MEGATRON, "a100_80gb", 32, _gpt(24, 2304, 24), 2048, 512,
         dict(data=32), 137, True, remat="full"),
     Run("Megatron-LM GPT 18.4B", MEGATRON, "a100_80gb", 256, _gpt(48, 6144, 40), 2048, 1024,

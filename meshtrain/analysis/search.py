@@ -282,6 +282,7 @@ def candidates(cfg, devices: int, cluster: Cluster):
   `devices`; ZeRO-1 whenever `data` > 1 splits the weights (it moves what DDP
   moves and holds less), sequence parallelism whenever `tensor` > 1."""
   m = cfg.model
+  ring = cfg.attention.sequence_strategy == "ring"  # does not compose with pipeline
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
     if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor:
       continue
@@ -290,7 +291,7 @@ def candidates(cfg, devices: int, cluster: Cluster):
         continue
       rest = devices // tensor // sequence
       for pipeline in _divisors(rest):
-        if m.num_layers % pipeline or (pipeline > 1 and sequence > 1):
+        if m.num_layers % pipeline or (pipeline > 1 and sequence > 1 and ring):
           continue
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp

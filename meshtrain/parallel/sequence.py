@@ -41,6 +41,11 @@ name: data" while only `sequence` was. Under that vmap the varying-axes check
 `data` and values that do not, so it is off; the equivalence tests hold the
 gradients to one device.
 
+Inside a shard_map that is already manual over the axis (the pipeline's,
+which takes `sequence` manual with `pipeline`), the strategies run on the
+local shards and make their collectives themselves: `lax.all_gather` of K
+and V, `lax.all_to_all` between length and heads, the ring as always.
+
 Packed documents (`segment_ids_BxL`, 0 = padding): every strategy masks keys
 of other documents. The ids follow q's layout; all_gather_kv and ulysses see
 them whole, ring passes them around with K and V.
@@ -100,7 +105,7 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   if n == 1:
     return attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                       segment_ids_BxL=segment_ids_BxL)
-  check_split(strategy, num_heads, length, n, axis)
+  check_split(strategy, num_heads, length * n if _is_manual(mesh, axis) else length, n, axis)
   strategy_fn = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses,
                  "ring": functools.partial(_ring, zigzag=zigzag)}[strategy]
   return strategy_fn(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, mesh=mesh, axis=axis)
@@ -121,6 +126,11 @@ def check_split(strategy: str, num_heads: int, length: int, n: int, axis: str = 
                      f"to be a multiple of {chunks}")
 
 
+def _is_manual(mesh: Mesh, axis: str) -> bool:
+  """Whether the caller already runs manual over `axis`: q, k, v are its local shards."""
+  return axis in mesh.manual_axes
+
+
 def _segments(segment_ids_BxL: jax.Array | None, *specs: P) -> tuple[tuple, tuple]:
   """The segment ids as extra shard_map arguments, one per spec; none without them."""
   if segment_ids_BxL is None:
@@ -131,14 +141,16 @@ def _segments(segment_ids_BxL: jax.Array | None, *specs: P) -> tuple[tuple, tupl
 def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str):
   """K and V enter the shard_map whole (the partitioner all-gathers them along
   the length); local queries attend to them, masked at this shard's offset."""
-  length = q_BxLxNxH.shape[1]
-
   def attend(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, *segments):
     t = q_BxTxNxH.shape[1]
     q_index_T = lax.axis_index(axis) * t + jnp.arange(t)
-    mask = attention.causal_mask(q_index_T, jnp.arange(length), *segments)
+    mask = attention.causal_mask(q_index_T, jnp.arange(k_BxLxKxH.shape[1]), *segments)
     return attention.masked_attention(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, mask)
 
+  if _is_manual(mesh, axis):
+    gather = functools.partial(lax.all_gather, axis_name=axis, axis=1, tiled=True)
+    segments = () if segment_ids_BxL is None else (segment_ids_BxL, gather(segment_ids_BxL))
+    return attend(q_BxLxNxH, gather(k_BxLxKxH), gather(v_BxLxKxH), *segments)
   manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
   by_length = P(batch, axis)
   segments, segment_specs = _segments(segment_ids_BxL, by_length, P(batch))
@@ -164,20 +176,28 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, ax
   num_kv_heads = k_BxLxKxH.shape[2]
   kv_heads = ulysses_kv_heads(num_heads, num_kv_heads, n, tensor)
   q_BxLxAxSxGxH = q_BxLxNxH.reshape(b, length, kv_heads // n, n, num_heads // kv_heads, h)
-  # Pinned to the length split here, or the head split would propagate back
-  # through the repeat (and the partitioner would all-gather K and V).
-  kv = [lax.with_sharding_constraint(
-      jnp.repeat(x_BxLxKxH, kv_heads // num_kv_heads, axis=2).reshape(
-          b, length, kv_heads // n, n, h), P(FREE, axis, FREE, None, FREE))
-        for x_BxLxKxH in (k_BxLxKxH, v_BxLxKxH)]
+  kv = [jnp.repeat(x_BxLxKxH, kv_heads // num_kv_heads, axis=2).reshape(
+      b, length, kv_heads // n, n, h) for x_BxLxKxH in (k_BxLxKxH, v_BxLxKxH)]
 
   def attend(q_BxLxAx1xGxH, k_BxLxAx1xH, v_BxLxAx1xH, *segments):
-    index_L = jnp.arange(length)
+    index_L = jnp.arange(q_BxLxAx1xGxH.shape[1])
     out_BxLxNxH = attention.masked_attention(
         q_BxLxAx1xGxH.reshape(*q_BxLxAx1xGxH.shape[:2], -1, h), k_BxLxAx1xH[:, :, :, 0],
         v_BxLxAx1xH[:, :, :, 0], attention.causal_mask(index_L, index_L, *segments))
     return out_BxLxNxH.reshape(q_BxLxAx1xGxH.shape)
 
+  if _is_manual(mesh, axis):  # local length in, local heads of the whole length inside
+    to_heads = functools.partial(lax.all_to_all, axis_name=axis, split_axis=3, concat_axis=1,
+                                 tiled=True)
+    segments = () if segment_ids_BxL is None else (
+        lax.all_gather(segment_ids_BxL, axis, axis=1, tiled=True),) * 2
+    out_BxLxAx1xGxH = attend(to_heads(q_BxLxAxSxGxH), *map(to_heads, kv), *segments)
+    return lax.all_to_all(out_BxLxAx1xGxH, axis, split_axis=1, concat_axis=3,
+                          tiled=True).reshape(b, length, num_heads, h)
+  # Pinned to the length split here, or the head split would propagate back
+  # through the repeat (and the partitioner would all-gather K and V).
+  kv = [lax.with_sharding_constraint(x_BxLxAxSxH, P(FREE, axis, FREE, None, FREE))
+        for x_BxLxAxSxH in kv]
   manual, batch = _split(mesh, axis, b)
   by_heads = P(batch, None, None, axis)
   segments, segment_specs = _segments(segment_ids_BxL, P(batch), P(batch))
@@ -200,12 +220,14 @@ def _ring(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis:
   blocks of T x T scores instead of n in a contiguous ring (the last device
   sees all). From a contiguous layout it costs a second exchange of q, k and v
   and one of the output."""
+  shard = functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis], zigzag=zigzag)
+  if _is_manual(mesh, axis):
+    return shard(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
   manual, batch = _split(mesh, axis, q_BxLxNxH.shape[0])
   by_length = P(batch, axis)
   segments, segment_specs = _segments(segment_ids_BxL, by_length)
   return jax.shard_map(
-      functools.partial(_ring_shard, axis=axis, n=mesh.shape[axis], zigzag=zigzag),
-      mesh=mesh, in_specs=(by_length,) * 3 + segment_specs, out_specs=by_length,
+      shard, mesh=mesh, in_specs=(by_length,) * 3 + segment_specs, out_specs=by_length,
       axis_names=manual, check_vma=False)(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *segments)
 
 

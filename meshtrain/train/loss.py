@@ -10,14 +10,19 @@ def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
   and the target's logit are both reductions over `vocab`, so under vocabulary
   parallelism each device reduces its slice and all-reduces [batch, length].
   With `weights_BxL` (1 = counts, 0 = padding) the mean is over counted tokens."""
-  target_logit_BxL = jnp.sum(
-      logits_BxLxV * jax.nn.one_hot(targets_BxL, logits_BxLxV.shape[-1], dtype=logits_BxLxV.dtype),
-      axis=-1)
-  loss_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
+  loss_BxL = token_losses(logits_BxLxV, targets_BxL)
   if weights_BxL is None:
     return jnp.mean(loss_BxL)
   weights_BxL = weights_BxL.astype(loss_BxL.dtype)
   return jnp.sum(loss_BxL * weights_BxL) / jnp.maximum(jnp.sum(weights_BxL), 1)
+
+
+def token_losses(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+  """Each token's next-token loss, [batch, length]."""
+  target_logit_BxL = jnp.sum(
+      logits_BxLxV * jax.nn.one_hot(targets_BxL, logits_BxLxV.shape[-1], dtype=logits_BxLxV.dtype),
+      axis=-1)
+  return jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
 
 
 def model_loss(model, batch: dict[str, jax.Array]) -> jax.Array:

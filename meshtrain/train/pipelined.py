@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.models.llama import REMAT_POLICIES, default_positions
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
-from meshtrain.train.loss import counted_tokens, cross_entropy
+from meshtrain.train.loss import counted_tokens, token_losses
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec
 
@@ -51,27 +51,52 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
 
   def loss_fn(p, x_BxLxD, aux):
     table_VxD = nnx.merge(embed_def, p["tied"]).table() if tied else None
-    logits_BxLxV = nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD)
-    return cross_entropy(logits_BxLxV, aux["targets"], counted_tokens(aux.get("segment_ids")))
+    loss_BxL = token_losses(nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD), aux["targets"])
+    weights_BxL = aux.get("loss_weights")
+    return jnp.mean(loss_BxL if weights_BxL is None else loss_BxL * weights_BxL)
 
   return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
+
+
+def _loss_weights(microbatches: dict) -> dict:
+  """Packed documents: each token's weight in its microbatch's mean loss
+  (padding 0), scaled to average 1 over the microbatch, so that the mean over
+  any equal share of it, on whichever device, adds up to the microbatch's mean."""
+  counted_MxBxL = counted_tokens(microbatches.get("segment_ids"))
+  if counted_MxBxL is None:
+    return microbatches
+  counted_MxBxL = counted_MxBxL.astype(jnp.float32)
+  total_M = jnp.maximum(counted_MxBxL.sum(axis=(1, 2), keepdims=True), 1)
+  return {**microbatches, "loss_weights": counted_MxBxL * (counted_MxBxL[0].size / total_M)}
+
+
+def _with_positions(batch: dict) -> dict:
+  """Rotary positions made whole before `sequence` splits the length: each
+  device then sees only its own tokens."""
+  if "positions" in batch:
+    return batch
+  return {**batch, "positions": default_positions(batch["inputs"], batch.get("segment_ids"))}
 
 
 def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
   """(params, batch) -> (loss, grads or None) of one pipelined batch."""
   pieces, tied = _pieces(spec, remat)
-  # `data` splits only the batch: taken manual, each device sums its own
-  # gradients and they are all-reduced once, after the last tick.
+  # `data` splits only the batch and `sequence` only the length: taken manual,
+  # each device sums its own gradients and they are all-reduced once, after
+  # the last tick.
   batch_axes = ("data",) if mesh.shape["data"] > 1 else ()
-  inner_rules = r.without_axis(rules.params, "data")
+  length_axis = "sequence" if mesh.shape["sequence"] > 1 else None
+  inner_rules = r.without_axis(r.without_axis(rules.params, "data"), "sequence")
 
   def run(params, batch):
-    microbatches = split_microbatches(batch, pipeline_cfg.microbatches)
+    if length_axis:
+      batch = _with_positions(batch)
+    microbatches = _loss_weights(split_microbatches(batch, pipeline_cfg.microbatches))
     head = {"head": params["head"], "tied": params["embed"] if tied else {}}
     with nnx.logical_axis_rules(inner_rules):
       loss, grads = runtime.pipeline_loss_and_grads(
           schedule, mesh, **pieces, params={**params, "head": head}, microbatches=microbatches,
-          batch_axes=batch_axes)
+          batch_axes=batch_axes, length_axis=length_axis)
     if grads is None:
       return loss, None
     embed_g = grads["embed"]

@@ -159,7 +159,8 @@ def pipeline_loss_and_grads(
     layer_fn: Callable[[Any, jax.Array, dict], jax.Array],
     loss_fn: Callable[[Any, jax.Array, dict], jax.Array],
     params: dict[str, Any], microbatches: dict[str, jax.Array],
-    batch_axes: Sequence[str] = ()) -> tuple[jax.Array, dict[str, Any] | None]:
+    batch_axes: Sequence[str] = (),
+    length_axis: str | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
   """Mean loss over the M microbatches and its gradients, run by `schedule`.
 
   Args:
@@ -182,6 +183,9 @@ def pipeline_loss_and_grads(
       they are summed over these axes once, after the last tick. The model
       pieces then see their local batch and must not constrain over these
       axes; `loss_fn` must be a mean over equal local batches.
+    length_axis: a mesh axis that shards L (`sequence`), taken manual the
+      same way: the pieces see their local tokens (and run attention's
+      collectives over it themselves), `loss_fn` is a mean over them.
 
   Returns:
     (loss, grads): float32, grads shaped like params. Embed and head gradients are
@@ -192,11 +196,12 @@ def pipeline_loss_and_grads(
   _check(schedule, mesh, microbatches)
   num_stages, num_chunks = schedule.num_stages, schedule.num_chunks
   backward = schedule.has_backward
-  batch_axes = tuple(batch_axes)
-  manual = (AXIS, *batch_axes)
-  # Each device's loss is the mean over its 1/replicas of a microbatch.
-  scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in batch_axes))
-  batch_spec = PartitionSpec(None, batch_axes or None)
+  # Axes that split the microbatch but no weight: each device sums its own gradients.
+  split_axes = (*batch_axes, *([length_axis] if length_axis else []))
+  manual = (AXIS, *split_axes)
+  # Each device's loss is the mean over its equal share of a microbatch.
+  scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
+  batch_spec = PartitionSpec(None, tuple(batch_axes) or None, length_axis)
   fields = ("op", "mb", "chunk", *schedules._SLOT_FIELDS)
   tables = {name: getattr(schedule, name) for name in fields}
   tables["branch"] = branch_table(schedule)
@@ -210,7 +215,7 @@ def pipeline_loss_and_grads(
     # The vjps differentiate weights typed varying: the transpose of the
     # implicit invariant->varying cast would be a psum in every tick.
     embed_p, head_p = _varying((embed_p, head_p), manual)
-    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), batch_axes)
+    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), split_axes)
     one_layer = jax.tree.map(lambda x: x[0, 0], layers_VxLc)
     aux0 = _take(aux_all, 0)
     x_struct = jax.eval_shape(embed_fn, embed_p, inputs[0])
@@ -344,8 +349,8 @@ def pipeline_loss_and_grads(
     if not backward:
       return loss, None
     layers_g = acc["layers_g"]
-    if batch_axes:
-      layers_g = lax.psum(layers_g, batch_axes)
+    if split_axes:
+      layers_g = lax.psum(layers_g, split_axes)
     return loss, {"embed": lax.psum(acc["embed_g"], manual),
                   "layers": jax.tree.map(lambda g: g[:, None], layers_g),
                   "head": lax.psum(acc["head_g"], manual)}
