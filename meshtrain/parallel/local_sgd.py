@@ -47,7 +47,9 @@ def validate(cfg) -> None:
                       f"of {', '.join(map(repr, OUTER_OPTIMIZERS))}")
   if cfg.mesh.pipeline != 1:
     # The pipeline takes `data` manual in its shard_map, where the replicas'
-    # vmap(spmd_axis_name="data") cannot add it (jax 0.10).
+    # vmap(spmd_axis_name="data") cannot add it (jax 0.10). Taking it manual
+    # with no spec (as the sequence attentions do) fails on the model's
+    # sharding constraints inside, to which the vmap adds `data` as well.
     raise ConfigError("config.mesh.pipeline", "local SGD does not compose with the pipeline axis "
                       "yet; set it to 1 (fsdp, tensor and sequence do)")
   if cfg.offload.optimizer:
