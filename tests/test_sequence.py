@@ -101,21 +101,26 @@ def test_packed_documents_equal_one_device(strategy):
   """With segment ids every strategy equals one device's document-masked
   attention; on 4 devices ring meets blocks that hide every key from a query."""
   mesh = mesh_of(data=2, sequence=4)
+
+  def attend(q, k, v, segment_ids):
+    return sequence_attention(q, k, v, strategy=strategy, mesh=mesh, segment_ids_BxL=segment_ids)
+
+  def run(*args):
+    with jax.set_mesh(mesh):
+      args = jax.device_put(args, NamedSharding(mesh, P("data", "sequence")))
+      return jax.jit(lambda q, k, v, g, s: output_and_grads(
+          functools.partial(attend, segment_ids=s), q, k, v, g))(*args)
+  assert_packed_attention_equals_one_device(run)
+
+
+def assert_packed_attention_equals_one_device(run):
+  """`run(q, k, v, cotangent, segment_ids)` -> (out, grads) equal one device's."""
   q, k, v, cotangent = qkv()
   segment_ids = jnp.asarray(SEGMENTS_2x32)
   expected_out, expected_grads = output_and_grads(
       functools.partial(attention.causal_attention, segment_ids_BxL=segment_ids), q, k, v,
       cotangent)
-
-  sharding = NamedSharding(mesh, P("data", "sequence"))
-
-  def attend(q, k, v, segment_ids):
-    return sequence_attention(q, k, v, strategy=strategy, mesh=mesh, segment_ids_BxL=segment_ids)
-
-  with jax.set_mesh(mesh):
-    args = jax.device_put((q, k, v, cotangent, segment_ids), sharding)
-    out, grads = jax.jit(lambda q, k, v, g, s: output_and_grads(
-        functools.partial(attend, segment_ids=s), q, k, v, g))(*args)
+  out, grads = run(q, k, v, cotangent, segment_ids)
   np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
   for grad, expected in zip(grads, expected_grads):
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
@@ -127,25 +132,18 @@ def test_inside_a_shard_map_already_manual_over_sequence(strategy):
   `data`): each strategy then makes its collectives on the local shards. Values
   and gradients equal one device's, with packed documents."""
   mesh = mesh_of(pipeline=2, sequence=4)
-  q, k, v, cotangent = qkv()
-  segment_ids = jnp.asarray(SEGMENTS_2x32)
-  expected_out, expected_grads = output_and_grads(
-      functools.partial(attention.causal_attention, segment_ids_BxL=segment_ids), q, k, v,
-      cotangent)
 
   def local(q, k, v, g, s):
     attend = functools.partial(sequence_attention, strategy=strategy, segment_ids_BxL=s,
                                mesh=jax.sharding.get_abstract_mesh())
     return output_and_grads(attend, q, k, v, g)
 
-  by_length = P(None, "sequence")
-  with jax.set_mesh(mesh):
-    out, grads = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=by_length,
-                                       out_specs=by_length, axis_names={"pipeline", "sequence"},
-                                       check_vma=False))(q, k, v, cotangent, segment_ids)
-  np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
-  for grad, expected in zip(grads, expected_grads):
-    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
+  def run(*args):
+    by_length = P(None, "sequence")
+    with jax.set_mesh(mesh):
+      return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=by_length, out_specs=by_length,
+                                   axis_names={"pipeline", "sequence"}, check_vma=False))(*args)
+  assert_packed_attention_equals_one_device(run)
 
 
 def test_ulysses_names_what_to_change():
