@@ -74,8 +74,9 @@ def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_st
 @pytest.mark.parametrize("changes", [
     {"mesh.fsdp": 2, "mesh.tensor": 2},
     *({"mesh.sequence": 2, "mesh.tensor": 2, "attention.sequence_strategy": strategy}
-      for strategy in ("ring", "ulysses", "all_gather_kv"))], ids=lambda c: " ".join(
-          f"{k.split('.')[-1]}={v}" for k, v in c.items()))
+      for strategy in ("ring", "ulysses", "all_gather_kv")),
+    {"mesh.pipeline": 2, "mesh.tensor": 2, "pipeline.microbatches": 2, "grad_accum_steps": 2}],
+    ids=lambda c: " ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items()))
 def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
   cfg = local_config(2, **{"mesh.data": 2, **changes})
   setup = build(cfg)
@@ -94,8 +95,10 @@ def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
                                      {"mesh.data": 2, "mesh.tensor": 4,
                                       "tensor_sequence_parallel": True},
                                      {"mesh.data": 4, "mesh.sequence": 2,
-                                      "attention.sequence_strategy": "ring"}],
-                         ids=["data=8", "fsdp+tensor", "tensor+sp", "sequence ring"])
+                                      "attention.sequence_strategy": "ring"},
+                                     {"mesh.data": 4, "mesh.pipeline": 2,
+                                      "pipeline.microbatches": 2}],
+                         ids=["data=8", "fsdp+tensor", "tensor+sp", "sequence ring", "pipeline"])
 def test_inner_step_has_no_data_collective_and_sync_all_reduces_the_deltas_once(changes):
   setup = build(local_config(4, **changes))
   inner = hlo.collectives(compile_step(setup), setup.mesh)
@@ -114,7 +117,6 @@ def test_inner_step_has_no_data_collective_and_sync_all_reduces_the_deltas_once(
 
 @pytest.mark.parametrize("changes, key", [
     ({"zero_stage": 1}, "config.zero_stage"),
-    ({"mesh.data": 4, "mesh.pipeline": 2}, "config.mesh.pipeline"),
     ({"local_sgd.outer_optimizer": "adam"}, "config.local_sgd.outer_optimizer"),
     ({"offload.optimizer": True}, "config.offload.optimizer"),
     ({"param_dtype": "float16"}, "config.param_dtype")])

@@ -4,7 +4,10 @@ Every `data` replica keeps its own float32 weights and inner optimizer state
 (a leading replica dimension, split over `data`). An inner step is the usual
 train step mapped over that dimension (`jax.vmap` with `spmd_axis_name="data"`),
 so `fsdp` and `tensor` shard each replica exactly as they shard the model
-without local SGD, and the compiled inner step holds no collective over `data`. Every `inner_steps` steps the sync
+without local SGD, and the compiled inner step holds no collective over `data`.
+With `pipeline`, the pipeline computes every replica's gradients at once
+(`data` manual in its shard_map, each device on its replica's weights and
+rows) and only the update is mapped. Every `inner_steps` steps the sync
 step all-reduces the replicas' parameter deltas once: their mean is the outer
 gradient, which an outer optimizer (SGD, or Nesterov momentum as in DiLoCo,
 Douillard et al. 2023) applies to the shared weights; every replica restarts
@@ -45,13 +48,6 @@ def validate(cfg) -> None:
   if local.outer_optimizer not in OUTER_OPTIMIZERS:
     raise ConfigError("config.local_sgd.outer_optimizer", f"{local.outer_optimizer!r} is not one "
                       f"of {', '.join(map(repr, OUTER_OPTIMIZERS))}")
-  if cfg.mesh.pipeline != 1:
-    # The pipeline takes `data` manual in its shard_map, where the replicas'
-    # vmap(spmd_axis_name="data") cannot add it (jax 0.10). Taking it manual
-    # with no spec (as the sequence attentions do) fails on the model's
-    # sharding constraints inside, to which the vmap adds `data` as well.
-    raise ConfigError("config.mesh.pipeline", "local SGD does not compose with the pipeline axis "
-                      "yet; set it to 1 (fsdp, tensor and sequence do)")
   if cfg.offload.optimizer:
     raise ConfigError("config.offload.optimizer", "local SGD keeps its replicas' state on the "
                       "devices; set it to False")
@@ -88,8 +84,12 @@ class LocalSGDStep:
   loop next looks."""
 
   def __init__(self, local_cfg, spec: ModelSpec, loss_fn, optimizer: optax.GradientTransformation,
-               mesh: Mesh, rules: r.ShardingRules, *, grads_fn=None, **step_options):
-    """`step_options` are TrainStep's (grad_accum_steps, param_dtype, schedule)."""
+               mesh: Mesh, rules: r.ShardingRules, *, replica_grads_fn=None, **step_options):
+    """`step_options` are TrainStep's (grad_accum_steps, param_dtype, schedule).
+    `replica_grads_fn(params, batch) -> ([R] losses, [R, ...] grads)` computes
+    every replica's gradients at once, each on its rows (the pipeline, whose
+    shard_map a vmap over `data` cannot enter: the vmap would add the manual
+    `data` to the model's sharding constraints inside)."""
     self.mesh, self.rules, self.inner_steps = mesh, rules, local_cfg.inner_steps
     replicas = mesh.shape["data"]
     one = inner_rules(rules)
@@ -102,8 +102,11 @@ class LocalSGDStep:
         nonfinite_steps=NamedSharding(mesh, P("data")),
         outer=OuterState(replica.params, outer_opt))
     self._optimizer, self._spec = optimizer, spec
-    inner = TrainStep(loss_fn, spec.names, optimizer, mesh, one, replica, grads_fn=grads_fn,
+    # With replica_grads_fn each replica's step takes its computed (loss, grads) as its batch.
+    computed = (lambda params, batch: (batch["loss"], batch["grads"])) if replica_grads_fn else None
+    inner = TrainStep(loss_fn, spec.names, optimizer, mesh, one, replica, grads_fn=computed,
                       nan_policy="skip", replicas=1, **step_options)
+    param_dtype = jnp.dtype(step_options.get("param_dtype", "float32"))
     self.batch_sharding = batch_sharding(mesh, rules)
 
     def inner_step(state: TrainState, batch):
@@ -112,7 +115,13 @@ class LocalSGDStep:
                                      batch)
         return new.params, new.opt_state, new.nonfinite_steps, metrics
 
-      by_replica = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
+      if replica_grads_fn:
+        with nnx.logical_axis_rules(rules.params):
+          loss, grads = replica_grads_fn(
+              jax.tree.map(lambda x: x.astype(param_dtype), state.params), batch)
+        by_replica = {"loss": loss, "grads": grads}
+      else:
+        by_replica = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
       with nnx.logical_axis_rules(one.params):
         params, opt_state, nonfinite_steps, metrics = jax.vmap(
             one_replica, spmd_axis_name="data")(state.params, state.opt_state,

@@ -78,13 +78,15 @@ def _with_positions(batch: dict) -> dict:
   return {**batch, "positions": default_positions(batch["inputs"], batch.get("segment_ids"))}
 
 
-def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
-  """(params, batch) -> (loss, grads or None) of one pipelined batch."""
+def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
+  """(params, batch) -> (loss, grads or None) of one pipelined batch; with
+  `replicas`, local SGD's: params lead with a replica dimension over `data`,
+  each replica trains on its rows, loss and grads come back per replica."""
   pieces, tied = _pieces(spec, remat)
   # `data` splits only the batch and `sequence` only the length: taken manual,
   # each device sums its own gradients and they are all-reduced once, after
   # the last tick.
-  batch_axes = ("data",) if mesh.shape["data"] > 1 else ()
+  batch_axes = ("data",) if mesh.shape["data"] > 1 and not replicas else ()
   length_axis = "sequence" if mesh.shape["sequence"] > 1 else None
   inner_rules = r.without_axis(r.without_axis(rules.params, "data"), "sequence")
 
@@ -96,7 +98,8 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
     with nnx.logical_axis_rules(inner_rules):
       loss, grads = runtime.pipeline_loss_and_grads(
           schedule, mesh, **pieces, params={**params, "head": head}, microbatches=microbatches,
-          batch_axes=batch_axes, length_axis=length_axis)
+          batch_axes=batch_axes, length_axis=length_axis,
+          replica_axis="data" if replicas else None)
     if grads is None:
       return loss, None
     embed_g = grads["embed"]
@@ -107,14 +110,16 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule):
 
 
 def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
-                             remat: str, grad_accum_steps: int = 1) -> GradsFn:
+                             remat: str, grad_accum_steps: int = 1,
+                             replicas: bool = False) -> GradsFn:
   """(params, batch) -> (mean loss, float32 grads), `batch` split into
   `grad_accum_steps` parts run one after another (a larger batch at the
   memory of one), each through the pipeline in `pipeline_cfg.microbatches`
-  microbatches."""
+  microbatches. With `replicas`, of every local SGD replica at once
+  ([R] losses, [R, ...] grads; see `_executor`)."""
   schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
                              pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
-  run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule)
+  run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas)
   if grad_accum_steps == 1:
     return run
 
@@ -122,7 +127,8 @@ def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r
     def body(total, part):
       return jax.tree.map(jnp.add, total, run(params, part)), None
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+    losses = (mesh.shape["data"],) if replicas else ()
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(losses, jnp.float32), zeros),
                                     split_microbatches(batch, grad_accum_steps))
     return jax.tree.map(lambda x: x / grad_accum_steps, (loss, grads))
   return accumulated

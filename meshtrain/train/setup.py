@@ -164,11 +164,13 @@ def build(cfg, devices=None) -> Setup:
     return model_loss(nnx.merge(spec.graphdef, params), batch)
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
-                                       cfg.grad_accum_steps)
+                                       cfg.grad_accum_steps,
+                                       replicas=bool(cfg.local_sgd.inner_steps))
               if mesh.shape["pipeline"] > 1 else None)
   if cfg.local_sgd.inner_steps:
     step = local_sgd.LocalSGDStep(cfg.local_sgd, spec, loss_fn, optimizer, mesh, rules,
-                                  grads_fn=grads_fn, grad_accum_steps=cfg.grad_accum_steps,
+                                  replica_grads_fn=grads_fn,
+                                  grad_accum_steps=cfg.grad_accum_steps,
                                   param_dtype=cfg.param_dtype, schedule=schedule)
     return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step, loss_fn)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,

@@ -107,7 +107,11 @@ def from_stages(staged: Any) -> Any:
 def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
   """Types values invariant over `axes` as varying, as every branch's outputs
   must be (an invariant zero and a computed value do not match)."""
-  return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying") if axes else x, tree)
+  def cast(x):
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(cast, tree)
 
 
 def _take(tree: Any, i: jax.Array) -> Any:
@@ -160,7 +164,8 @@ def pipeline_loss_and_grads(
     loss_fn: Callable[[Any, jax.Array, dict], jax.Array],
     params: dict[str, Any], microbatches: dict[str, jax.Array],
     batch_axes: Sequence[str] = (),
-    length_axis: str | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
+    length_axis: str | None = None,
+    replica_axis: str | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
   """Mean loss over the M microbatches and its gradients, run by `schedule`.
 
   Args:
@@ -186,6 +191,10 @@ def pipeline_loss_and_grads(
     length_axis: a mesh axis that shards L (`sequence`), taken manual the
       same way: the pieces see their local tokens (and run attention's
       collectives over it themselves), `loss_fn` is a mean over them.
+    replica_axis: a mesh axis whose devices hold independent replicas (local
+      SGD's `data`): every params leaf leads with a replica dimension split
+      over it, B is split over it too, and the loss and gradients come back
+      per replica ([R] and [R, ...]), never summed over it.
 
   Returns:
     (loss, grads): float32, grads shaped like params. Embed and head gradients are
@@ -198,15 +207,24 @@ def pipeline_loss_and_grads(
   backward = schedule.has_backward
   # Axes that split the microbatch but no weight: each device sums its own gradients.
   split_axes = (*batch_axes, *([length_axis] if length_axis else []))
-  manual = (AXIS, *split_axes)
+  replica = (replica_axis,) if replica_axis else ()
+  summed = (AXIS, *split_axes)  # what the loss and the embed and head gradients add up over
+  manual = (*summed, *replica)
   # Each device's loss is the mean over its equal share of a microbatch.
   scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
-  batch_spec = PartitionSpec(None, tuple(batch_axes) or None, length_axis)
+  batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
   fields = ("op", "mb", "chunk", *schedules._SLOT_FIELDS)
   tables = {name: getattr(schedule, name) for name in fields}
   tables["branch"] = branch_table(schedule)
 
   def run(embed_p, layers_Vx1xLc, head_p, microbatches):
+    if replica:  # this device's replica
+      embed_p, layers_Vx1xLc, head_p = jax.tree.map(lambda x: x[0],
+                                                    (embed_p, layers_Vx1xLc, head_p))
+    loss, grads = run_replica(embed_p, layers_Vx1xLc, head_p, microbatches)
+    return jax.tree.map(lambda x: x[None], (loss, grads)) if replica else (loss, grads)
+
+  def run_replica(embed_p, layers_Vx1xLc, head_p, microbatches):
     stage = lax.axis_index(AXIS)
     # Every stage has every microbatch; typed varying like the activations they meet.
     microbatches = _varying(microbatches, (AXIS,))
@@ -215,7 +233,7 @@ def pipeline_loss_and_grads(
     # The vjps differentiate weights typed varying: the transpose of the
     # implicit invariant->varying cast would be a psum in every tick.
     embed_p, head_p = _varying((embed_p, head_p), manual)
-    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), split_axes)
+    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), (*split_axes, *replica))
     one_layer = jax.tree.map(lambda x: x[0, 0], layers_VxLc)
     aux0 = _take(aux_all, 0)
     x_struct = jax.eval_shape(embed_fn, embed_p, inputs[0])
@@ -345,24 +363,26 @@ def pipeline_loss_and_grads(
     if not backward:
       acc = {"loss": acc["loss"]}
     (acc, *_), _ = lax.scan(tick, (acc, buffers, zeros_x, zeros_x), tables)
-    loss = lax.psum(acc["loss"], manual)
+    loss = lax.psum(acc["loss"], summed)
     if not backward:
       return loss, None
     layers_g = acc["layers_g"]
     if split_axes:
       layers_g = lax.psum(layers_g, split_axes)
-    return loss, {"embed": lax.psum(acc["embed_g"], manual),
+    return loss, {"embed": lax.psum(acc["embed_g"], summed),
                   "layers": jax.tree.map(lambda g: g[:, None], layers_g),
-                  "head": lax.psum(acc["head_g"], manual)}
+                  "head": lax.psum(acc["head_g"], summed)}
 
-  replicated, by_stage = PartitionSpec(), PartitionSpec(None, AXIS)
-  grads_spec = {"embed": replicated, "layers": by_stage, "head": replicated} if backward else None
+  whole, by_stage = PartitionSpec(*replica), PartitionSpec(*replica, None, AXIS)
+  grads_spec = {"embed": whole, "layers": by_stage, "head": whole} if backward else None
+  staged = lambda layers: to_stages(layers, num_stages, num_chunks)  # noqa: E731
   loss, grads = jax.shard_map(
       run, mesh=mesh, axis_names=set(manual),
-      in_specs=(replicated, by_stage, replicated, batch_spec),
-      out_specs=(replicated, grads_spec),
-  )(params["embed"], to_stages(params["layers"], num_stages, num_chunks), params["head"],
-    microbatches)
+      in_specs=(whole, by_stage, whole, batch_spec),
+      out_specs=(whole, grads_spec),
+  )(params["embed"], (jax.vmap(staged) if replica else staged)(params["layers"]),
+    params["head"], microbatches)
   if grads is None:
     return loss, None
-  return loss, {**grads, "layers": from_stages(grads["layers"])}
+  return loss, {**grads, "layers": (jax.vmap(from_stages) if replica else from_stages)(
+      grads["layers"])}
