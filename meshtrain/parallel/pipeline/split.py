@@ -142,8 +142,9 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
     """The vjp's residuals: stashed ones and ones recomputed from params, aux."""
     # x is an input the recomputation never reads (dce keeps it in place).
     x_unused = jax.numpy.zeros(x_aval.shape, x_aval.dtype)
-    if getattr(x_aval, "vma", None):
-      x_unused = jax.lax.pcast(x_unused, tuple(x_aval.vma), to="varying")
+    varying = tuple(x_aval.manual_axis_type.varying)
+    if varying:
+      x_unused = jax.lax.pcast(x_unused, varying, to="varying")
     args = [*jax.tree.leaves(params), x_unused, *jax.tree.leaves(aux)]
     recomputed = iter(recompute(*(a for a, u in zip(args, recompute_inputs) if u)))
     stash = iter(stash)
