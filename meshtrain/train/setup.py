@@ -122,11 +122,12 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
                       f"divide the {rows} sequences each of the data x fsdp = {replicas} "
                       f"replicas gets")
   if mesh.shape["sequence"] > 1 and cfg.attention.sequence_strategy == "ring":
-    # Inside the pipeline's shard_map the ring's losses are off by about 1%
-    # (all_gather_kv and ulysses are exact): docs/pipeline.md.
+    # A collective-permute involves every device its pairs name, every stage,
+    # but in a tick only the busy stages run the ring's (docs/pipeline.md).
     raise ConfigError("config.attention.sequence_strategy",
-                      "ring attention does not compose with pipeline yet; use all_gather_kv "
-                      "(Llama 3's context parallelism) or ulysses, or set config.mesh.sequence=1")
+                      "ring attention cannot run inside the pipeline (its sends would need every "
+                      "stage at once); use all_gather_kv (Llama 3's context parallelism) or "
+                      "ulysses, or set config.mesh.sequence=1")
   if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
     raise ConfigError("config.pipeline.virtual_stages",
                       f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "
