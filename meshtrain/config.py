@@ -93,6 +93,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.offload = ml_collections.ConfigDict()
   c.offload.optimizer = False     # float32 master weights and optimizer state in pinned host memory between steps
+  c.offload.params = False        # the layers' weights in pinned host memory; each layer's come to the device while it runs
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)

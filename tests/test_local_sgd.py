@@ -119,6 +119,7 @@ def test_inner_step_has_no_data_collective_and_sync_all_reduces_the_deltas_once(
     ({"zero_stage": 1}, "config.zero_stage"),
     ({"local_sgd.outer_optimizer": "adam"}, "config.local_sgd.outer_optimizer"),
     ({"offload.optimizer": True}, "config.offload.optimizer"),
+    ({"offload.params": True}, "config.offload.params"),
     ({"param_dtype": "float16"}, "config.param_dtype")])
 def test_unsupported_settings_name_the_key(changes, key):
   with pytest.raises(ConfigError, match=f"^{key}: "):

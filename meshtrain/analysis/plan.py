@@ -87,7 +87,9 @@ class _Comm:
 def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step;
   `activations=0` leaves out the traced activation and backward bytes (the
-  search scales its own)."""
+  search scales its own). Memory is the device's through the forward and
+  backward; with `config.offload` the state it keeps in pinned host memory
+  is `host`, outside `total` (the update brings it to the device)."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
@@ -100,6 +102,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
 
   m = cfg.model
   memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
+  host = 0.0  # what `config.offload` keeps in pinned host memory
   comm = _Comm()
   for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
                          jax.tree.leaves(spec.abstract_params)):
@@ -111,16 +114,17 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
     # only lay out an accumulator.
     grads = compute / _prod((g_axes if accum > 1 else o_axes) & batch_axes, mesh)
-    if cfg.param_dtype == "float32" and p_axes == o_axes:  # the working copy is the master
-      memory["params"] += 4 * master
-      memory["optimizer"] += 8 * master
-    else:
-      memory["params"] += param_bytes * working
-      memory["optimizer"] += 12 * master
+    layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
+    same = cfg.param_dtype == "float32" and p_axes == o_axes  # the working copy is the master
+    streamed = cfg.offload.params and layers > 1  # fetched one layer at a time
+    master_on_host = cfg.offload.optimizer or streamed
+    host += 4 * master * master_on_host + 8 * master * cfg.offload.optimizer
+    memory["params"] += (4 * master if same else param_bytes * working) / (layers if streamed else 1)
+    memory["optimizer"] += (8 * master * (not cfg.offload.optimizer)
+                            + 4 * master * (not same and not master_on_host))
     memory["grads"] += grad_bytes * grads
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
-    layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
     comm.add("all-gather", p_axes & batch_axes, param_bytes * compute / layers, mesh,
              _gathers(names, cfg))
     comm.add("reduce-scatter", g_axes & batch_axes, param_bytes * compute / layers, mesh,
@@ -144,6 +148,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     memory["local_sgd_outer"] = local["outer_state_bytes"]
     collectives = [c for c in collectives if "data" not in c["axis"]] + [local["sync"]]
   memory["total"] = sum(memory.values())
+  if host:
+    memory["host"] = host
   return {"memory_bytes": {k: int(v) for k, v in memory.items()}, "collectives": collectives}
 
 

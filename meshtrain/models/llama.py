@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtrain import rules as r
 from meshtrain.models import attention, rope
 from meshtrain.models.rope import rotary
-from meshtrain.parallel import sequence
+from meshtrain.parallel import offload, sequence
 
 Remat = Literal["none", "full", "selective"]
 # Names of the weight matmuls' outputs, which `remat="selective"` keeps.
@@ -315,6 +315,7 @@ def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | Non
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
+    state = offload.fetch(state)  # weights offloaded to the host come in one layer at a time
     return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, segment_ids_BxL), None
 
   if remat != "none":

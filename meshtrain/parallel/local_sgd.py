@@ -48,9 +48,10 @@ def validate(cfg) -> None:
   if local.outer_optimizer not in OUTER_OPTIMIZERS:
     raise ConfigError("config.local_sgd.outer_optimizer", f"{local.outer_optimizer!r} is not one "
                       f"of {', '.join(map(repr, OUTER_OPTIMIZERS))}")
-  if cfg.offload.optimizer:
-    raise ConfigError("config.offload.optimizer", "local SGD keeps its replicas' state on the "
-                      "devices; set it to False")
+  for part in ("optimizer", "params"):
+    if cfg.offload[part]:
+      raise ConfigError(f"config.offload.{part}", "local SGD keeps its replicas' state on the "
+                        "devices; set it to False")
   if cfg.zero_stage:
     raise ConfigError("config.zero_stage", "local SGD keeps a whole model per `data` replica; "
                       "use zero_stage 0 and shard inside each replica with config.mesh.fsdp")

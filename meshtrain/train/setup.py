@@ -128,6 +128,9 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
                       "ring attention cannot run inside the pipeline (its sends would need every "
                       "stage at once); use all_gather_kv (Llama 3's context parallelism) or "
                       "ulysses, or set config.mesh.sequence=1")
+  if cfg.offload.params:
+    raise ConfigError("config.offload.params", "the pipeline stages the layers' weights itself; "
+                      "set it to False (config.offload.optimizer composes)")
   if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
     raise ConfigError("config.pipeline.virtual_stages",
                       f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "
@@ -158,8 +161,7 @@ def build(cfg, devices=None) -> Setup:
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
   shardings = state_shardings(spec, optimizer, mesh, rules, initial_loss_scale(cfg))
-  if cfg.offload.optimizer:
-    shardings = in_memory(shardings, "pinned_host")
+  shardings = offloaded(shardings, cfg.offload)
 
   def loss_fn(params, batch):
     return model_loss(nnx.merge(spec.graphdef, params), batch)
@@ -177,5 +179,17 @@ def build(cfg, devices=None) -> Setup:
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
                    grad_dtype=cfg.grad_dtype, schedule=schedule, grads_fn=grads_fn,
-                   nan_policy=cfg.nan_policy, loss_scale_period=cfg.loss_scale.period)
+                   nan_policy=cfg.nan_policy, loss_scale_period=cfg.loss_scale.period,
+                   streamed="layers" if cfg.offload.params else None)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)
+
+
+def offloaded(shardings: TrainState, offload_cfg) -> TrainState:
+  """The state's layout with what `config.offload` names in pinned host memory:
+  the master weights and optimizer state (`optimizer`), the layers' weights
+  (`params`, streamed to the device layer by layer)."""
+  shardings = in_memory(shardings, "pinned_host") if offload_cfg.optimizer else shardings
+  if offload_cfg.params:
+    layers = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings.params["layers"])
+    shardings = dataclasses.replace(shardings, params={**shardings.params, "layers": layers})
+  return shardings

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
+from meshtrain.parallel import offload
 from meshtrain.train import precision
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import TrainState, in_memory, is_offloaded
@@ -58,7 +59,8 @@ class TrainStep:
                grad_accum_steps: int = 1, param_dtype: str = "float32",
                grad_dtype: str = "float32", schedule: optax.Schedule | None = None,
                grads_fn: GradsFn | None = None, nan_policy: str = "stop",
-               replicas: int | None = None, loss_scale_period: int = 2000):
+               replicas: int | None = None, loss_scale_period: int = 2000,
+               streamed: str | None = None):
     """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
     names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
     replaces the differentiation of `loss_fn` (the pipeline brings its own);
@@ -77,6 +79,11 @@ class TrainStep:
 
     `replicas` is the data-parallel degree, by default the `data` axis; 1 where
     a caller maps the step over `data` itself (`step_fn`, as local SGD does).
+
+    `streamed` names the params subtree that stays in host memory through the
+    forward and backward (its shardings in `state_shardings` say
+    "pinned_host"): the model fetches it layer by layer
+    (`meshtrain.parallel.offload`); it comes to the device for the update.
     """
     self.mesh, self.rules = mesh, rules
     self.batch_sharding = batch_sharding(mesh, rules)
@@ -85,8 +92,11 @@ class TrainStep:
     dtype = jnp.dtype(param_dtype)
     # Offloaded master weights and optimizer state come to the device for the
     # update and go back to the host after it.
-    offload = is_offloaded(state_shardings)
-    on_device = in_memory(state_shardings, "device") if offload else state_shardings
+    offloaded = is_offloaded(state_shardings)
+    on_device = in_memory(state_shardings, "device") if offloaded else state_shardings
+    # Where the forward and backward find the state: on the device but the streamed weights.
+    compute_place = on_device if streamed is None else dataclasses.replace(
+        on_device, params={**on_device.params, streamed: state_shardings.params[streamed]})
     replicas = mesh.shape["data"] if replicas is None else replicas
     # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
     # own sum and reduce once per step, not once per microbatch.
@@ -133,17 +143,27 @@ class TrainStep:
     self.loss_fn, self.grads_fn = loss_fn, grads_fn  # meshtrain.analysis.selfcheck runs them alone
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-      if offload:
+      if offloaded:
         state = dataclasses.replace(state, **jax.device_put(
             {"params": state.params, "opt_state": state.opt_state},
-            {"params": on_device.params, "opt_state": on_device.opt_state}))
-      working = jax.lax.with_sharding_constraint(_cast(state.params, dtype), param_shardings)
+            {"params": compute_place.params, "opt_state": compute_place.opt_state}))
+      working = state.params
+      if streamed is None:
+        working = jax.lax.with_sharding_constraint(_cast(working, dtype), param_shardings)
+      else:  # the streamed weights are cast on the device, one layer at a time
+        rest = {k: v for k, v in working.items() if k != streamed}
+        working = {**jax.lax.with_sharding_constraint(
+            _cast(rest, dtype), {k: param_shardings[k] for k in rest}), streamed: working[streamed]}
       loss_scale = state.loss_scale
-      if loss_scale is None:
-        loss, grads = grads_fn(working, batch)
-      else:
-        loss, grads = grads_fn(working, batch, loss_scale.scale)
-        grads = jax.tree.map(lambda g: g / loss_scale.scale, grads)
+      with offload.streaming(dtype) if streamed else contextlib.nullcontext():
+        if loss_scale is None:
+          loss, grads = grads_fn(working, batch)
+        else:
+          loss, grads = grads_fn(working, batch, loss_scale.scale)
+          grads = jax.tree.map(lambda g: g / loss_scale.scale, grads)
+      if streamed:  # the update runs on the device; the streamed gradients came back to the host
+        state = dataclasses.replace(state, params=jax.device_put(state.params, on_device.params))
+        grads = jax.device_put(grads, jax.memory.Space.Device)
       # Gradients meet the optimizer in its layout: an all-reduce for replicated
       # state, a reduce-scatter for sharded state (ZeRO, FSDP).
       grads = jax.lax.with_sharding_constraint(grads, on_device.params)
@@ -170,7 +190,7 @@ class TrainStep:
       # old optimizer moment when the new one is written over it (the donated
       # buffer), so XLA copied every moment, twice the weights' bytes, each step.
       params, opt_state = jax.lax.cond(healthy, update, keep, state.params, state.opt_state, grads)
-      if offload:
+      if offloaded:
         params, opt_state = jax.device_put((params, opt_state),
                                            (state_shardings.params, state_shardings.opt_state))
       counts = healthy | (nan_policy == "skip") | overflow
