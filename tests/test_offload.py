@@ -12,6 +12,7 @@ import pytest
 from conftest import micro_config
 from reference import random_batches
 from equivalence import meshtrain_run
+from meshtrain.analysis import selfcheck
 from meshtrain.analysis.plan import compile_step, plan
 
 
@@ -68,3 +69,12 @@ def test_streamed_weights_in_bfloat16_with_recomputation_train_the_same():
     batches = random_batches(3, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
     runs.append(meshtrain_run(cfg, batches)[2:])
   chex.assert_trees_all_close(runs[1], runs[0], rtol=1e-6, atol=0)
+
+
+def test_verify_runs_an_offloaded_config():
+  """`meshtrain verify` on offloaded state: the first gradient from the weights
+  brought to the device, then the offloaded steps, against plain jit."""
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "offload.optimizer": True,
+                        "offload.params": True})
+  report = selfcheck.verify_config(cfg)
+  assert report.ok(), report.format()

@@ -31,7 +31,7 @@ from flax import nnx
 from meshtrain import rules as r
 from meshtrain.data import make_iterator
 from meshtrain.train.setup import build
-from meshtrain.train.state import ModelSpec, TrainState, init_state
+from meshtrain.train.state import ModelSpec, TrainState, in_memory, init_state
 from meshtrain.train.step import TrainStep
 
 TOLERANCE = 1e-5  # float32: reordered sums differ by ~1e-7, partitioner bugs by >= 1e-3
@@ -107,9 +107,11 @@ def sharded_run(step: TrainStep, names, shardings: TrainState, state: TrainState
     return step.grads_fn(jax.lax.with_sharding_constraint(params, working), batch)
 
   placed = jax.device_put(batch, step.batch_sharding)
+  on_device = in_memory(shardings, "device").params  # offloaded weights too (the steps offload)
   with jax.set_mesh(step.mesh), nnx.logical_axis_rules(step.rules.params):
-    _, grads = jax.jit(first_gradient, in_shardings=(shardings.params, step.batch_sharding),
-                       out_shardings=(None, shardings.params))(state.params, placed)
+    _, grads = jax.jit(first_gradient, in_shardings=(on_device, step.batch_sharding),
+                       out_shardings=(None, on_device))(jax.device_put(state.params, on_device),
+                                                        placed)
   grads = jax.device_get(grads)
   losses = []
   for _ in range(steps):

@@ -43,6 +43,7 @@ model pieces hit it: an embedding lookup whose table splits D over `fsdp`
 lookup and a one-hot cross-entropy avoid it.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -375,14 +376,15 @@ def pipeline_loss_and_grads(
 
   whole, by_stage = PartitionSpec(*replica), PartitionSpec(*replica, None, AXIS)
   grads_spec = {"embed": whole, "layers": by_stage, "head": whole} if backward else None
-  staged = lambda layers: to_stages(layers, num_stages, num_chunks)  # noqa: E731
+  staged = functools.partial(to_stages, num_stages=num_stages, num_chunks=num_chunks)
+  unstaged = from_stages
+  if replica:  # the same per replica
+    staged, unstaged = jax.vmap(staged), jax.vmap(unstaged)
   loss, grads = jax.shard_map(
       run, mesh=mesh, axis_names=set(manual),
       in_specs=(whole, by_stage, whole, batch_spec),
       out_specs=(whole, grads_spec),
-  )(params["embed"], (jax.vmap(staged) if replica else staged)(params["layers"]),
-    params["head"], microbatches)
+  )(params["embed"], staged(params["layers"]), params["head"], microbatches)
   if grads is None:
     return loss, None
-  return loss, {**grads, "layers": (jax.vmap(from_stages) if replica else from_stages)(
-      grads["layers"])}
+  return loss, {**grads, "layers": unstaged(grads["layers"])}
