@@ -19,7 +19,7 @@ from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import model_loss
 from meshtrain.train.pipelined import pipelined_value_and_grad
 from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
-                                   model_config, state_shardings)
+                                   model_config, state_shardings, with_memory_kind)
 from meshtrain.train.step import TrainStep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -190,6 +190,6 @@ def offloaded(shardings: TrainState, offload_cfg) -> TrainState:
   (`params`, streamed to the device layer by layer)."""
   shardings = in_memory(shardings, "pinned_host") if offload_cfg.optimizer else shardings
   if offload_cfg.params:
-    layers = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings.params["layers"])
+    layers = with_memory_kind(shardings.params["layers"], "pinned_host")
     shardings = dataclasses.replace(shardings, params={**shardings.params, "layers": layers})
   return shardings

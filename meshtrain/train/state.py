@@ -91,18 +91,20 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                     loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
 
 
-def in_memory(shardings: TrainState, memory_kind: str,
-              parts: tuple[str, ...] = ("params", "opt_state")) -> TrainState:
-  """The same layout with the master weights and optimizer state (or only the
-  `parts` named) in `memory_kind` memory ("pinned_host": offloaded to the
-  host, or "device")."""
-  move = lambda tree: jax.tree.map(lambda s: s.with_memory_kind(memory_kind), tree)  # noqa: E731
-  return dataclasses.replace(shardings, **{part: move(getattr(shardings, part)) for part in parts})
+def with_memory_kind(tree: Any, memory_kind: str) -> Any:
+  """The same shardings in `memory_kind` memory ("pinned_host" or "device")."""
+  return jax.tree.map(lambda s: s.with_memory_kind(memory_kind), tree)
+
+
+def in_memory(shardings: TrainState, memory_kind: str) -> TrainState:
+  """The same layout with the master weights and optimizer state in `memory_kind`
+  memory ("pinned_host": offloaded to the host between steps, or "device")."""
+  return dataclasses.replace(shardings, params=with_memory_kind(shardings.params, memory_kind),
+                             opt_state=with_memory_kind(shardings.opt_state, memory_kind))
 
 
 def is_offloaded(shardings: TrainState) -> bool:
-  return any(s.memory_kind == "pinned_host"
-             for s in jax.tree.leaves((shardings.params, shardings.opt_state)))
+  return any(s.memory_kind == "pinned_host" for s in jax.tree.leaves(shardings.params))
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
