@@ -143,14 +143,24 @@ def _axes_of(name, table: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
   return table.get(name, (name,) if name in AXES else ())
 
 
+def _mesh_order(axis: str) -> int:
+  return AXES.index(axis) if axis in AXES else len(AXES)
+
+
 def logical_to_spec(names: Iterable, rules: Rules) -> PartitionSpec:
   """PartitionSpec for logical names; a name without a rule is replicated, and a
-  mesh axis is used at most once (by the first dimension that asks for it)."""
+  mesh axis is used at most once (by the first dimension that asks for it).
+
+  A dimension split over several mesh axes lists them in mesh order, whatever
+  order an annotation gave (`P(('tensor', 'fsdp'))` -> `P(('fsdp', 'tensor'))`):
+  jax 0.10's partitioners place a dot's output shards on the wrong devices for
+  some layouts with the axes the other way round (docs/partitioner_issues.md)."""
   table = dict(rules)
   taken: set[str] = set()
   spec = []
   for name in names:
-    axes = tuple(dict.fromkeys(a for a in _axes_of(name, table) if a not in taken))
+    axes = tuple(sorted(dict.fromkeys(a for a in _axes_of(name, table) if a not in taken),
+                        key=_mesh_order))
     taken.update(axes)
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return PartitionSpec(*spec)

@@ -113,6 +113,9 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                                     "set config.mesh.sequence > 1"),
     "tensor_sequence_parallel": (lambda c, sizes: sizes and sizes["tensor"] == 1,
                                  "mesh.tensor is 1, so nothing is split; set config.mesh.tensor > 1"),
+    "grad_dtype": (lambda c, sizes: sizes and sizes["pipeline"] > 1,
+                   "the pipeline accumulates its microbatches' gradients in float32; "
+                   "set config.grad_dtype=float32"),
     **{f"pipeline.{name}": (lambda c, sizes: sizes and sizes["pipeline"] == 1,
                             "mesh.pipeline is 1, so no pipeline runs; set config.mesh.pipeline > 1")
        for name in ("schedule", "microbatches", "virtual_stages")},

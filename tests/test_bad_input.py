@@ -117,6 +117,7 @@ CASES = [
     ("train", [*PIPELINE, "--config.model.num_layers=4", "--config.pipeline.virtual_stages=2",
                "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.microbatches=1"],
      "config.pipeline.microbatches"),
+    ("train", [*PIPELINE, "--config.grad_dtype=bfloat16"], "config.grad_dtype"),
     ("train", ["--config.mesh.across_hosts=datum"], "config.mesh.across_hosts"),
     # the workdir and checkpoints
     ("train", ["--config.workdir={tmp}/a_file"], "config.workdir"),
@@ -140,6 +141,7 @@ CASES = [
     ("plan", ["--search", "--devices=8", "--top=0"], "--top"),
     ("plan", ["--search", "--devices=8", "--global_batch=-4"], "--global_batch"),
     ("verify", ["--verify_steps=0"], "--verify_steps"),
+    ("verify", ["--config.local_sgd.inner_steps=2"], "config.local_sgd.inner_steps"),
     ("schedule", ["--stages=0"], "--schedule/--stages/--microbatches/--virtual"),
     ("schedule", ["--schedule=zb"], "--schedule"),
     ("schedule", ["--backward_cost=-1"], "--backward_cost"),

@@ -86,7 +86,7 @@ class LocalSGDStep:
 
   def __init__(self, local_cfg, spec: ModelSpec, loss_fn, optimizer: optax.GradientTransformation,
                mesh: Mesh, rules: r.ShardingRules, *, replica_grads_fn=None, **step_options):
-    """`step_options` are TrainStep's (grad_accum_steps, param_dtype, schedule).
+    """`step_options` are TrainStep's (grad_accum_steps, param_dtype, grad_dtype, schedule).
     `replica_grads_fn(params, batch) -> ([R] losses, [R, ...] grads)` computes
     every replica's gradients at once, each on its rows (the pipeline, whose
     shard_map a vmap over `data` cannot enter: the vmap would add the manual
