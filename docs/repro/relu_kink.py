@@ -50,7 +50,9 @@ class LM(nn.Module):
 
 
 def layout(path: str, ndim: int) -> P:
-  """fsdp over 8 devices: every weight's model-width dimension split."""
+  """fsdp over 8 devices, as meshtrain's FLAX_TRANSFORMER patterns place this
+  model: each kernel's first dimension split (the embedding's and the
+  attention output's last), vectors whole."""
   if path.endswith("embedding"):
     return P(None, "fsdp")
   if "out/kernel" in path:
@@ -78,7 +80,8 @@ def programs(activation: str, dtype=jnp.float32):
 
   def gradient_and_pre_activation(params, inputs, targets):
     _, state = model.apply({"params": params}, inputs, mutable="intermediates")
-    return jax.grad(loss)(params, inputs, targets), state["intermediates"]["Block_0"]["pre_activation"][0]
+    pre_activation = state["intermediates"]["Block_0"]["pre_activation"][0]
+    return jax.grad(loss)(params, inputs, targets), pre_activation
 
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
   shardings = jax.tree_util.tree_map_with_path(

@@ -24,7 +24,8 @@ def relative_error(out_spec=P(("c", "b"), "a")) -> float:
   """|sharded - numpy| / |numpy| of einsum('btd,btk->dk') laid out as `out_spec`."""
   mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
   rng = np.random.default_rng(0)
-  x, y = rng.normal(size=(8, 2, 16)).astype(np.float32), rng.normal(size=(8, 2, 8)).astype(np.float32)
+  x = rng.normal(size=(8, 2, 16)).astype(np.float32)
+  y = rng.normal(size=(8, 2, 8)).astype(np.float32)
   batch = NamedSharding(mesh, P("a"))
   product = jax.jit(lambda x, y: jnp.einsum("btd,btk->dk", x, y), in_shardings=(batch, batch),
                     out_shardings=NamedSharding(mesh, out_spec))(x, y)
