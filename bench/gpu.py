@@ -9,7 +9,7 @@ Each setting runs in its own process, because XLA flags are read once at start,
 under `--timeout` seconds: compile, `--warmup` steps, then `--steps` timed steps
 (one host sync at the end, so the device queue never drains between them). A
 setting that fails (out of memory, say) or times out becomes a row saying so.
-MFU counts the model FLOPs of `meshtrain.analysis.flops` (6N + attention,
+MFU counts the model FLOPs of `meshtrain.models.flops` (6N + attention,
 recomputation not counted) against the device's dense bf16 peak. The rows go to
 `--out`/gpu_MODEL.json after every setting (so an interrupted sweep keeps what
 it measured) and, at the end, into the table between the markers in
@@ -58,10 +58,10 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   import jax
   import numpy as np
 
-  from meshtrain.analysis.flops import flops_per_token
+  from meshtrain.models.flops import flops_per_token
   from meshtrain.config import load
   from meshtrain.train.setup import build
-  from meshtrain.train.state import model_config
+  from meshtrain.train.parallelize import attention_kernel, model_config
 
   cfg = load(REPO / "configs" / f"{model}.py")
   cfg.update(global_batch=batch_size, seq_len=seq_len, param_dtype="bfloat16",
@@ -94,7 +94,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   model_cfg = model_config(cfg)
   model_flops = flops_per_token(model_cfg, setup.spec.abstract_params, seq_len)
   return {"model": model, "batch": batch_size, "seq_len": seq_len, "steps": steps, **changes,
-          "attention": model_cfg.attention_implementation,
+          "attention": attention_kernel(cfg),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
           "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": model_flops,

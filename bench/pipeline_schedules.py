@@ -30,7 +30,7 @@ matplotlib.use("Agg")
 from meshtrain.analysis import compiled_flops, hlo  # noqa: E402
 from meshtrain.analysis.plan import compile_step  # noqa: E402
 from meshtrain.config import get_config  # noqa: E402
-from meshtrain.parallel.pipeline import draw, runtime, schedule as schedules  # noqa: E402
+from meshtrain.parallel.pipeline import draw, measures, runtime, schedule as schedules  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def main():
     for name, virtual in SCHEDULES.items():
       print(f"compiling {name} P={p} M={m}", flush=True)
       table = schedules.build(name, p, m, virtual)
-      summary = schedules.describe(table)
+      summary = measures.describe(table)
       flops, temp = measure(name, virtual, p, m)
       rows.append({"schedule": name, "P": p, "M": m, "V": virtual,
                    "paper_bubble": summary["paper_bubble_fraction"],

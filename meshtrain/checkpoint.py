@@ -69,12 +69,14 @@ def _quiet_about_closed_loops() -> None:
 
 
 class Checkpoints:
-  """The step directories under `directory`, newest `keep` kept."""
+  """The step directories under `directory`, newest `keep` kept, one due every
+  `every_steps` steps (0: none due)."""
 
-  def __init__(self, directory, *, keep: int = 0, read_only: bool = False, config_key: str):
+  def __init__(self, directory, *, keep: int = 0, every_steps: int = 0, read_only: bool = False,
+               config_key: str):
     """`config_key` names the setting that chose `directory`, for error messages."""
     self.directory = Path(directory).absolute()
-    self.config_key = config_key
+    self.config_key, self.every_steps = config_key, every_steps
     self._failed = False
     logging.getLogger("absl").addFilter(_not_an_orbax_error)  # once: the same function
     _quiet_about_closed_loops()
@@ -87,6 +89,10 @@ class Checkpoints:
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def due(self, step: int) -> bool:
+    """Whether the run saves after `step` on its own schedule."""
+    return bool(self.every_steps) and step % self.every_steps == 0
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator, cfg) -> bool:
     """Starts an async save of `step`; False when that step is already saved."""

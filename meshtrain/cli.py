@@ -24,9 +24,10 @@ from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
-from meshtrain.evaluate import evaluate_checkpoint
-from meshtrain.hf import exporter, importer
-from meshtrain.parallel.pipeline import draw, schedule as schedules
+from meshtrain.hf import exporter
+from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
+from meshtrain.train import resume
+from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 
@@ -202,7 +203,7 @@ def schedule_command(argv: list[str]) -> None:
     table = schedules.build(_SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value)
   except ValueError as error:
     raise ConfigError("--schedule/--stages/--microbatches/--virtual", str(error)) from None
-  summary = schedules.describe(table, costs)
+  summary = measures.describe(table, costs)
   if _OUT.value:
     try:
       draw.draw_gantt(table, _OUT.value, costs)
@@ -213,7 +214,7 @@ def schedule_command(argv: list[str]) -> None:
   if _JSON.value:
     print(json.dumps(summary, indent=2))
     return
-  print(schedules.to_text(table))
+  print(measures.to_text(table))
   print(f"\nbubble fraction {summary['bubble_fraction']:.4f} with F,B,W costs {_COSTS.value} "
         f"(paper's formula {summary['paper_bubble_fraction']:.4f}, textbook (P-1)/(VM+P-1) "
         f"{summary['ideal_bubble_fraction']:.4f}); in flight per stage (awaiting B) "
@@ -250,7 +251,7 @@ def import_hf_command(argv: list[str]) -> None:
   if not _FROM.value or not _TO.value:
     raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
   cfg = joined_config()
-  workdir = importer.import_hf(cfg, _FROM.value, _TO.value)
+  workdir = resume.import_hf(cfg, _FROM.value, _TO.value)
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")

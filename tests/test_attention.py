@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from meshtrain.errors import ConfigError
-from meshtrain.models import attention
+from meshtrain.parallel import attention
 
 
 def qkv(dtype=jnp.float32, batch=2, length=12, heads=4, kv_heads=2, head_dim=8):

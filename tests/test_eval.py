@@ -15,7 +15,7 @@ from conftest import REPO, SHAKESPEARE, micro_config, micro_flags
 from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
-from meshtrain.evaluate import Evaluator, evaluate_checkpoint, evaluator_for
+from meshtrain.train.evaluate import Evaluator, evaluate_checkpoint, evaluator_for
 from meshtrain.train import pipelined
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build

@@ -17,7 +17,7 @@ from conftest import micro_config
 from meshtrain import generate, workdir as saved_run
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
-from meshtrain.hf.importer import import_hf
+from meshtrain.train.resume import import_hf
 from meshtrain.hf.load import load_params
 from meshtrain.train.setup import build
 from test_hf import CASES, save_hf_llama

@@ -23,7 +23,7 @@ from meshtrain.data import make_iterator
 from meshtrain.hf import config as hf_config
 from meshtrain.errors import ConfigError
 from meshtrain.hf.exporter import export_hf
-from meshtrain.hf.importer import import_hf
+from meshtrain.train.resume import import_hf
 from meshtrain import workdir as saved_run
 from meshtrain.hf.load import load_params
 from meshtrain.hf.weights import WEIGHTS

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 from conftest import micro_config
-from meshtrain.models.llama import Llama, attention_implementation, rotary, vocab_logits
+from meshtrain.models.llama import Llama, rotary, vocab_logits
+from meshtrain.parallel.attention import implementation_for
 from meshtrain.train.loss import cross_entropy
-from meshtrain.train.state import model_config
+from meshtrain.train.parallelize import model_config
 
 
 def make(model=None, **overrides):
@@ -87,7 +88,7 @@ MI300 = types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X")
 ])
 def test_best_attention_is_flash_only_where_cudnn_runs_it(requested, dtype, head_dim, device,
                                                            expected):
-  assert attention_implementation(requested, dtype, head_dim, device) == expected
+  assert implementation_for(requested, dtype, head_dim, device) == expected
 
 
 def _head_case(dtype):

@@ -14,7 +14,7 @@ from test_train_equivalence import STEPS
 from meshtrain.errors import ConfigError
 from meshtrain.models.llama import Llama
 from meshtrain.train.setup import build
-from meshtrain.train.state import model_config
+from meshtrain.train.parallelize import model_config
 
 PADDING = 2  # per row, so that every replica's mean over its rows is the global mean
 

@@ -19,7 +19,7 @@ from meshtrain.models.llama import Llama, positions
 from meshtrain.parallel.pipeline import runtime
 from meshtrain.parallel.pipeline import schedule as sched
 from meshtrain.train.loss import cross_entropy
-from meshtrain.train.state import model_config
+from meshtrain.train.parallelize import model_config
 
 
 @functools.cache

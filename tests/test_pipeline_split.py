@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import micro_config
 from meshtrain.models.llama import REMAT_POLICIES, Llama, positions
 from meshtrain.parallel.pipeline.split import split_vjp
-from meshtrain.train.state import model_config
+from meshtrain.train.parallelize import model_config
 
 
 @functools.cache

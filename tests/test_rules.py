@@ -6,7 +6,7 @@ from conftest import micro_config
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, make_mesh
-from meshtrain.train.state import llama_spec, model_config
+from meshtrain.train.parallelize import llama_spec, model_config
 
 
 def test_composition_concatenates_in_mesh_order():

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from meshtrain.parallel.pipeline import draw
+from meshtrain.parallel.pipeline import checks, draw, measures
 from meshtrain.parallel.pipeline import schedule as schedule_lib
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)] + [(4, 5), (8, 9)]
@@ -28,7 +28,7 @@ def built(request):
 
 
 def test_every_builder_makes_a_valid_table(built):
-  schedule_lib.validate(built)
+  checks.validate(built)
   ops = built.num_stages * built.num_microbatches * built.num_chunks
   assert [(built.op == kind).sum() for kind in (1, 2, 3)] == [ops] * 3
 
@@ -38,9 +38,9 @@ def test_bubble_is_at_most_the_papers(built):
   timeline, equal to the idle ticks) is within the published formula; the
   zero-bubble schedules reach it."""
   p, m, v = built.num_stages, built.num_microbatches, built.num_chunks
-  measured = schedule_lib.bubble_fraction(built)
+  measured = measures.bubble_fraction(built)
   assert measured == pytest.approx(float((built.op == 0).mean()))
-  paper = schedule_lib.paper_bubble_fraction(built.name, p, m, (1, 1, 1), v)
+  paper = measures.paper_bubble_fraction(built.name, p, m, (1, 1, 1), v)
   if built.name == "zb_h1":
     assert measured == pytest.approx((p - 1) / (3 * m + p - 1))
     assert measured == pytest.approx(paper)
@@ -55,16 +55,16 @@ def test_zb_h1_idles_a_third_of_1f1b_at_the_same_memory(p, m):
   zb, one_f_one_b = schedule_lib.zb_h1(p, m), schedule_lib.one_f_one_b(p, m)
   idle = lambda s: (s.op == 0).sum(axis=0)
   assert (idle(zb) <= (p - 1) * 3 / 3).all(), idle(zb)
-  assert schedule_lib.bubble_fraction(zb) == pytest.approx((p - 1) / (3 * m + p - 1))
-  assert schedule_lib.peak_in_flight(zb) == schedule_lib.peak_in_flight(one_f_one_b)
-  assert schedule_lib.bubble_fraction(zb) < schedule_lib.bubble_fraction(one_f_one_b)
+  assert measures.bubble_fraction(zb) == pytest.approx((p - 1) / (3 * m + p - 1))
+  assert measures.peak_in_flight(zb) == measures.peak_in_flight(one_f_one_b)
+  assert measures.bubble_fraction(zb) < measures.bubble_fraction(one_f_one_b)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (4, 4), (4, 13), (8, 8), (8, 20)])
 def test_one_f_one_b_holds_p_minus_s(p, m):
   schedule = schedule_lib.one_f_one_b(p, m)
   expected = [min(m, p - s) for s in range(p)]
-  assert schedule_lib.peak_in_flight(schedule) == expected
+  assert measures.peak_in_flight(schedule) == expected
   assert schedule.slots_per_stage("res") == expected  # W follows B: freed together
   assert schedule.num_slots("cut") == 1
 
@@ -72,7 +72,7 @@ def test_one_f_one_b_holds_p_minus_s(p, m):
 @pytest.mark.parametrize("p, m", [(2, 3), (4, 8)])
 def test_gpipe_holds_every_microbatch(p, m):
   schedule = schedule_lib.gpipe(p, m)
-  assert schedule_lib.peak_in_flight(schedule) == [m] * p
+  assert measures.peak_in_flight(schedule) == [m] * p
   assert schedule.slots_per_stage("res") == [m] * p
 
 
@@ -80,25 +80,25 @@ def test_gpipe_holds_every_microbatch(p, m):
 def test_interleaved_in_flight_is_megatron_warmup_plus_one(p, m, v):
   schedule = schedule_lib.interleaved_one_f_one_b(p, m, v)
   warmup = [(p - s - 1) * 2 + (v - 1) * p for s in range(p)]
-  assert schedule_lib.peak_in_flight(schedule) == [min(v * m, w + 1) for w in warmup]
+  assert measures.peak_in_flight(schedule) == [min(v * m, w + 1) for w in warmup]
 
 
 def test_zb_h2_warms_up_more():
   p, m = 4, 16
-  assert schedule_lib.peak_in_flight(schedule_lib.zb_h2(p, m)) == [2 * (p - s) - 1 for s in range(p)]
+  assert measures.peak_in_flight(schedule_lib.zb_h2(p, m)) == [2 * (p - s) - 1 for s in range(p)]
 
 
 def test_costs_move_the_bubble_as_the_paper_says():
   """W half of F and B: the zero-bubble schedules still beat 1F1B."""
   costs = (1.0, 1.0, 0.5)
-  bubble = {name: schedule_lib.bubble_fraction(schedule_lib.build(name, 4, 16), costs)
+  bubble = {name: measures.bubble_fraction(schedule_lib.build(name, 4, 16), costs)
             for name in ("1f1b", "zb_h1", "zb_h2")}
   assert bubble["zb_h2"] <= bubble["zb_h1"] < bubble["1f1b"], bubble
 
 
 def test_forward_only_runs_every_forward_and_nothing_else():
   schedule = schedule_lib.forward_only(4, 8, 2)
-  schedule_lib.validate(schedule)
+  checks.validate(schedule)
   assert not schedule.has_backward
   assert (schedule.op == schedule_lib.F).sum() == 4 * 8 * 2
   assert schedule.num_ticks == 8 * 2 + 4 - 1  # one wave, no stall
@@ -127,7 +127,7 @@ def test_validator_catches_a_missing_w():
       _edited(schedule, op=(cell, 0), mb=(cell, -1), chunk=(cell, -1)).__getattribute__(f)
       for f in ("op", "mb", "chunk")))
   with pytest.raises(ValueError, match="W of microbatch 2 chunk 0 .*is missing"):
-    schedule_lib.validate(broken)
+    checks.validate(broken)
 
 
 def test_validator_catches_a_w_before_its_b():
@@ -137,7 +137,7 @@ def test_validator_catches_a_w_before_its_b():
   op[b], op[w] = schedule_lib.W, schedule_lib.B
   broken = schedule_lib.from_ops("broken", 2, 2, 1, op, schedule.mb, schedule.chunk)
   with pytest.raises(ValueError, match="before its"):
-    schedule_lib.validate(broken)
+    checks.validate(broken)
 
 
 def test_validator_catches_a_slot_overwrite():
@@ -145,7 +145,7 @@ def test_validator_catches_a_slot_overwrite():
   f0, f1 = _cell_of(schedule, schedule_lib.F, 0, 0), _cell_of(schedule, schedule_lib.F, 1, 0)
   broken = _edited(schedule, res_slot=(f1, schedule.res_slot[f0]))
   with pytest.raises(ValueError, match="overwrites slot"):
-    schedule_lib.validate(broken)
+    checks.validate(broken)
 
 
 def test_validator_catches_a_read_of_the_wrong_slot():
@@ -153,7 +153,7 @@ def test_validator_catches_a_read_of_the_wrong_slot():
   b = _cell_of(schedule, schedule_lib.B, 3, 0)
   broken = _edited(schedule, res_slot=(b, schedule.res_slot[b] + 1))
   with pytest.raises(ValueError, match="reads slot"):
-    schedule_lib.validate(broken)
+    checks.validate(broken)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -171,7 +171,7 @@ def test_bad_inputs_raise_clear_errors(call, message):
 
 
 def test_to_text_shows_one_op_per_tick():
-  text = schedule_lib.to_text(schedule_lib.one_f_one_b(2, 2))
+  text = measures.to_text(schedule_lib.one_f_one_b(2, 2))
   assert text.splitlines() == [
       "    0  1  2  3  4  5  6  7",
       "s0  F0 F1 .  B0 W0 .  B1 W1",
@@ -180,7 +180,7 @@ def test_to_text_shows_one_op_per_tick():
 
 
 def test_describe_is_json_ready():
-  summary = schedule_lib.describe(schedule_lib.zb_h1(4, 8), (1.0, 1.0, 1.0))
+  summary = measures.describe(schedule_lib.zb_h1(4, 8), (1.0, 1.0, 1.0))
   assert json.loads(json.dumps(summary)) == summary
   assert summary["bubble_fraction"] == pytest.approx(3 / 27)
   assert summary["paper_bubble_fraction"] == pytest.approx(3 / 27)

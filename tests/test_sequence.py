@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.analysis import hlo
 from meshtrain.mesh import make_mesh
-from meshtrain.models import attention
+from meshtrain.parallel import attention
 from meshtrain.parallel import sequence
 from meshtrain.parallel.sequence import STRATEGIES, sequence_attention
 
@@ -164,18 +164,16 @@ def test_rejects_unknown_strategy_bad_groups_and_lengths():
     sequence_attention(q, k, v, strategy="ring", mesh=mesh)
 
 
-def test_ring_zigzag_layout_and_its_inverse():
-  """Device i holds chunks i and 2n-1-i between the two re-layouts."""
+def test_ring_zigzag_layout():
+  """After the re-layout device i holds chunks i and 2n-1-i."""
   n = 4
   mesh = mesh_of(sequence=n, data=2)
   positions_1xLx1x1 = jnp.arange(2 * n * 3)[None, :, None, None]  # chunks of 3 tokens
   with jax.set_mesh(mesh):
     zigzag = jax.jit(functools.partial(sequence.to_zigzag, mesh=mesh))(positions_1xLx1x1)
-    back = jax.jit(functools.partial(sequence.from_zigzag, mesh=mesh))(zigzag)
   chunks = np.asarray(zigzag).reshape(2 * n, 3)[:, 0] // 3
   np.testing.assert_array_equal(chunks, [0, 7, 1, 6, 2, 5, 3, 4])
   np.testing.assert_array_equal(zigzag.reshape(-1), sequence.zigzag_order(2 * n * 3, n))
-  np.testing.assert_array_equal(back, positions_1xLx1x1)
 
 
 def test_ring_on_zigzag_inputs_skips_the_relayouts():

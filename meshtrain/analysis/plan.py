@@ -35,11 +35,11 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import hlo, residuals
 from meshtrain.mesh import AXES, axis_sizes
-from meshtrain.parallel import local_sgd, sequence
+from meshtrain.parallel import sequence
 from meshtrain.parallel.pipeline import schedule as schedules
-from meshtrain.train import setup as setup_lib
+from meshtrain.train import local_sgd, setup as setup_lib
 from meshtrain.train.loss import cross_entropy
-from meshtrain.train.state import llama_spec, model_config
+from meshtrain.train.parallelize import attention_kernel, llama_spec, model_config, slots
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -222,12 +222,11 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
       comm.add("all-to-all", {"sequence"}, size, mesh, (forwards + 1) * layer_passes)
   else:  # ring: n - 1 K/V blocks each forward, n - 1 dK/dV blocks back
     comm.add("collective-permute", {"sequence"}, 2 * kv, mesh, (n - 1) * (forwards + 1) * layer_passes)
-    # The model runs in zigzag order: int32 tokens in, the last activations out
-    # (and their gradient back).
+    # The batch comes in zigzag order: its int32 inputs and targets (and the
+    # segment ids and positions of packed documents) are permuted once per pass.
     moving = sum(any(s != d for s, d in pairs) for pairs in sequence.zigzag_pairs(n)) / 2
-    comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, passes)
-    comm.add("collective-permute", {"sequence"}, moving * act_bytes * tokens * m.embed_dim, mesh,
-             2 * passes)
+    arrays = 4 if cfg.data.packing == "segments" else 2
+    comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, arrays * passes)
 
 
 @functools.cache
@@ -260,8 +259,8 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> i
   model_cfg = dataclasses.replace(model_config(cfg), num_layers=layers, remat=remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
-  flash = model_cfg.attention_implementation == "cudnn" and mesh.shape["sequence"] == 1
-  spec = llama_spec(dataclasses.replace(model_cfg, attention_implementation="xla"))
+  flash = attention_kernel(cfg) == "cudnn" and mesh.shape["sequence"] == 1
+  spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
                                     mesh, rules)

@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.extend import core
-
+from meshtrain import jax_internals as core
 from meshtrain import rules as r
+from meshtrain.jax_internals import param
 
 BATCH_AXES = ("data", "fsdp")
 Spec = tuple[tuple[str, ...], ...]  # mesh axes splitting each dimension
@@ -88,7 +88,7 @@ def _elementwise(eqn, specs, shapes) -> list[Spec]:
 
 
 def _dot_general(eqn, specs, shapes) -> list[Spec]:
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
   (ls, rs), (lshape, rshape) = specs, shapes
   batch = [tuple(dict.fromkeys(ls[i] + rs[j])) for i, j in zip(lb, rb)]
   lfree = [ls[i] for i in range(len(lshape)) if i not in lc and i not in lb]
@@ -119,43 +119,41 @@ def _reshape(in_shape, out_shape, spec: Spec) -> Spec:
 
 
 def _sub_jaxpr(eqn):
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    sub = eqn.params.get(key)
-    if sub is not None and not callable(sub):
-      return sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
   if eqn.primitive.name == "cond":
-    return eqn.params["branches"][0].jaxpr
-  return None
+    return param(eqn, "branches")[0].jaxpr
+  sub = core.call_body(eqn)
+  return sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
 
 
 def _rule(eqn, specs, shapes) -> list[Spec]:
-  name, params = eqn.primitive.name, eqn.params
+  name = eqn.primitive.name
   out_shapes = [v.aval.shape for v in eqn.outvars]
   if name == "sharding_constraint":
-    pinned = _from_partition_spec(params["sharding"].spec, len(out_shapes[0]))
-    free = params.get("unconstrained_dims") or ()
+    pinned = _from_partition_spec(param(eqn, "sharding").spec, len(out_shapes[0]))
+    free = param(eqn, "unconstrained_dims", ()) or ()
     return [tuple(specs[0][i] if i in free else pinned[i] for i in range(len(pinned)))]
   if name == "dot_general":
     return _dot_general(eqn, specs, shapes)
   if name == "transpose":
-    return [tuple(specs[0][i] for i in params["permutation"])]
+    return [tuple(specs[0][i] for i in param(eqn, "permutation"))]
   if name == "broadcast_in_dim":
     out = [()] * len(out_shapes[0])
-    for i, d in enumerate(params["broadcast_dimensions"]):
+    for i, d in enumerate(param(eqn, "broadcast_dimensions")):
       if shapes[0][i] == out_shapes[0][d]:
         out[d] = specs[0][i]
     return [tuple(out)]
   if name == "reshape":
     return [_reshape(shapes[0], out_shapes[0], specs[0])]
   if name == "squeeze":
-    return [tuple(s for i, s in enumerate(specs[0]) if i not in params["dimensions"])]
-  if "axes" in params and name.startswith(("reduce", "arg")):
-    return [tuple(s for i, s in enumerate(specs[0]) if i not in params["axes"])]
+    return [tuple(s for i, s in enumerate(specs[0]) if i not in param(eqn, "dimensions"))]
+  if name.startswith(("reduce", "arg")) and param(eqn, "axes", None) is not None:
+    return [tuple(s for i, s in enumerate(specs[0]) if i not in param(eqn, "axes"))]
   if name == "stack":  # operands of one shape, a new axis
     spec = [tuple(dict.fromkeys(a for s in specs for a in s[i])) for i in range(len(shapes[0]))]
-    return [tuple(spec[:params["axis"]] + [()] + spec[params["axis"]:])]
+    axis = param(eqn, "axis")
+    return [tuple(spec[:axis] + [()] + spec[axis:])]
   if name in ("concatenate", "split"):
-    axis = params["dimension" if name == "concatenate" else "axis"]
+    axis = param(eqn, "dimension" if name == "concatenate" else "axis")
     return [tuple(() if i == axis else s for i, s in enumerate(specs[0])) for _ in out_shapes]
   if name in ("iota", "rng_bit_generator", "random_bits"):
     return [_whole(len(s)) for s in out_shapes]
@@ -220,7 +218,7 @@ _COPIES = ("reduce_precision", "convert_element_type", "copy", "copy_p", "name")
 def _sums_partials(eqn, specs) -> bool:
   if eqn.primitive.name != "dot_general":
     return False
-  (lc, rc), _ = eqn.params["dimension_numbers"]
+  (lc, rc), _ = param(eqn, "dimension_numbers")
   return any(specs[0][i] for i in lc) or any(specs[1][i] for i in rc)
 
 
@@ -229,20 +227,19 @@ def _nested(eqn, specs, mesh) -> tuple[list[Spec], list[bool]] | None:
   outputs of a call are partial sums; None if not nested."""
   none = [False] * len(eqn.outvars)
   if eqn.primitive.name == "scan":
-    p = eqn.params
-    body = p["jaxpr"].jaxpr
-    fixed = p["num_consts"] + p["num_carry"]
+    body, carry = param(eqn, "jaxpr").jaxpr, param(eqn, "num_carry")
+    fixed = param(eqn, "num_consts") + carry
     outs = propagate(body, list(specs[:fixed]) + [s[1:] for s in specs[fixed:]], mesh)
-    return outs[:p["num_carry"]] + [((),) + s for s in outs[p["num_carry"]:]], none
+    return outs[:carry] + [((),) + s for s in outs[carry:]], none
   if eqn.primitive.name == "shard_map":  # manual axes from out_specs, automatic ones from the body
-    p, manual = eqn.params, eqn.params["newly_manual_axes"]
-    outs = propagate(p["jaxpr"], [tuple(tuple(a for a in axes if a not in manual) for axes in s)
-                                  for s in specs], mesh)
+    manual = param(eqn, "newly_manual_axes")
+    outs = propagate(param(eqn, "jaxpr"), [tuple(tuple(a for a in axes if a not in manual)
+                                                 for axes in s) for s in specs], mesh)
     return [tuple(m + tuple(a for a in axes if a not in m) for m, axes in
                   zip(_from_partition_spec(out_spec, len(s)), s))
-            for out_spec, s in zip(p["out_specs"], outs)], none
+            for out_spec, s in zip(param(eqn, "out_specs"), outs)], none
   if eqn.primitive.name == "while":
-    return list(specs[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]), none
+    return list(specs[param(eqn, "cond_nconsts") + param(eqn, "body_nconsts"):]), none
   sub = _sub_jaxpr(eqn)
   if sub is None or len(sub.outvars) != len(eqn.outvars):
     return None

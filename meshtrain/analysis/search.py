@@ -4,7 +4,7 @@ microbatches for a model on a cluster, ranked by a predicted step time.
 Step-time model (per step, one device; all devices do equal work):
 
   compute   hardware FLOPs / devices / (peak x ACHIEVABLE): the model's FLOPs
-            (`meshtrain.analysis.flops`, PaLM's count) plus what recomputation
+            (`meshtrain.models.flops`, PaLM's count) plus what recomputation
             adds (a layer forward under remat=full or in a pipeline backward,
             the attention core under selective).
   comms     each collective of `meshtrain.analysis.plan.analytic`, its bytes
@@ -32,12 +32,13 @@ import ml_collections
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import clusters, flops, plan as plan_lib, residuals
+from meshtrain.analysis import clusters, plan as plan_lib, residuals
+from meshtrain.models import flops
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.mesh import AXES
-from meshtrain.parallel.pipeline import schedule as schedules
+from meshtrain.parallel.pipeline import measures
 from meshtrain.train import setup as setup_lib
-from meshtrain.train.state import llama_spec, model_config
+from meshtrain.train.parallelize import llama_spec, model_config, slots
 
 # Share of peak FLOP/s a bf16 transformer step sustains in its kernels (matmuls,
 # attention, norms and optimizer together), before communication and bubbles.
@@ -131,9 +132,8 @@ class _ActivationModel:
     sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if sequence else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
-    model_cfg = dataclasses.replace(model_config(self.cfg), num_layers=TRACED_LAYERS, remat=remat,
-                                    attention_implementation="xla")
-    spec = llama_spec(model_cfg)
+    model_cfg = dataclasses.replace(model_config(self.cfg), num_layers=TRACED_LAYERS, remat=remat)
+    spec = llama_spec(model_cfg, slots(self.cfg, mesh, implementation="xla"))
     batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
     saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
@@ -255,7 +255,7 @@ class StepModel:
       exposed["data+fsdp (beyond compute)"] = hidden - compute
     bubble = 0.0
     if sizes["pipeline"] > 1:
-      share = schedules.ideal_bubble_fraction(sizes["pipeline"], c.microbatches, c.virtual_stages)
+      share = measures.ideal_bubble_fraction(sizes["pipeline"], c.microbatches, c.virtual_stages)
       bubble = (compute + sum(exposed.values())) * share / (1 - share)
     step = compute + sum(exposed.values()) + bubble
     return Estimate(

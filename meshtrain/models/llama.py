@@ -5,11 +5,17 @@ run by `lax.scan` (one compiled layer, whatever the depth).
 Every weight carries logical axis names (`meshtrain.rules`); the main
 activations are pinned with `rules.constrain`. Weights are stored in whatever
 dtype the caller hands in and cast to `compute_dtype` at each matmul.
+
+The model knows no strategy. A strategy that rewrites the program fills one
+of its `Slots` (`meshtrain.train.parallelize` does, as torchtitan's
+`parallelize` does): the attention kernel, and where each layer's weights
+come from. The defaults run it as written on whatever layout the rules give.
 """
 
 import dataclasses
 import functools
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import flax.core.spmd
 import jax
@@ -18,9 +24,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
-from meshtrain.models import attention, rope
+from meshtrain.models import rope
 from meshtrain.models.rope import rotary
-from meshtrain.parallel import offload, sequence
+from meshtrain.parallel import attention
 
 Remat = Literal["none", "full", "selective"]
 # Names of the weight matmuls' outputs, which `remat="selective"` keeps.
@@ -41,8 +47,6 @@ class LlamaConfig:
   tie_embeddings: bool = False
   compute_dtype: str = "float32"
   remat: Remat = "none"
-  sequence_strategy: str = "all_gather_kv"  # attention when `sequence` splits the length
-  attention_implementation: str = "xla"  # xla (models/attention.py) | cudnn (flash)
   rope_scaling_factor: float = 1.0  # Llama 3's RoPE scaling (models/rope.py); 1: none
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
@@ -98,29 +102,30 @@ def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
   return matmul(x, *weights)
 
 
-def attention_implementation(requested: str, compute_dtype: str, head_dim: int,
-                             device: jax.Device, packed: bool = False) -> str:
-  """What `attention.implementation=""` (the best available) means on `device`.
+def _as_they_are(weights: Any) -> Any:
+  return weights
 
-  XLA's attention stores the [batch, heads, length, length] probabilities for
-  the backward. cuDNN's flash attention stores none and is the faster kernel,
-  where it runs: NVIDIA GPUs, 16-bit activations, a head_dim that is a
-  multiple of 8 up to 128, and no packed documents (`packed`: jax 0.10 gives
-  it no segment ids).
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """What a strategy may plug into the model.
+
+  attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=None) -> out_BxLxNxH:
+    causal grouped-query attention over the sequence (inside each packed
+    document), whatever splits its length; the default sees it whole.
+  layer_weights(weights) -> weights: one layer's weights, as its layer runs
+    (offload brings them from the host here); the default returns them.
   """
-  if requested:
-    return requested
-  flash = (device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
-           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
-           and not packed)
-  return "cudnn" if flash else "xla"
+  attention: Callable[..., jax.Array] = attention.causal_attention
+  layer_weights: Callable[[Any], Any] = _as_they_are
 
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs,
+               attend: Callable[..., jax.Array] = attention.causal_attention):
     d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.cfg = cfg
+    self.cfg, self.attend = cfg, attend
     self.wq_DxNxH = _param(rngs, (d, n, h), (r.EMBED, r.HEADS, r.HEAD_DIM), d)
     self.wk_DxKxH = _param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
     self.wv_DxKxH = _param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
@@ -163,15 +168,7 @@ class Attention(nnx.Module):
       # jax's float16 attention asks for an F16_F16_F32 dot, which CPU does not lower.
       q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (x.astype(jnp.float32) for x in
                                           (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
-    mesh = jax.sharding.get_abstract_mesh()
-    if _splits_length(mesh):
-      out_BxLxNxH = sequence.sequence_attention(
-          q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, strategy=cfg.sequence_strategy, mesh=mesh,
-          zigzag=zigzag_layout(cfg, mesh), segment_ids_BxL=segment_ids_BxL)
-    else:
-      out_BxLxNxH = attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
-                                               implementation=cfg.attention_implementation,
-                                               segment_ids_BxL=segment_ids_BxL)
+    out_BxLxNxH = self.attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=segment_ids_BxL)
     out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype),
                               (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
     return checkpoint_name(weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...]),
@@ -208,9 +205,9 @@ def swiglu(gate_BxLxF: jax.Array, up_BxLxF: jax.Array) -> jax.Array:
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs, slots.attention)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     self.mlp = MLP(cfg, rngs)
 
@@ -295,28 +292,30 @@ class Head(nnx.Module):
     return r.constrain(logits_BxLxV, (r.BATCH, r.LENGTH, r.ACT_VOCAB))
 
 
-def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
+def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()) -> Block:
   """num_layers blocks whose weights carry a leading `layers` axis."""
   @nnx.split_rngs(splits=cfg.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: r.LAYERS})
   def create(rngs: nnx.Rngs) -> Block:
-    return Block(cfg, rngs)
+    return Block(cfg, rngs, slots)
   return create(rngs)
 
 
 def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
-               remat: Remat = "none", segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+               remat: Remat = "none", segment_ids_BxL: jax.Array | None = None,
+               layer_weights: Callable[[Any], Any] = _as_they_are) -> jax.Array:
   """Runs stacked blocks (any number: the whole model or a pipeline chunk) with
   one `lax.scan`, recomputing activations by the `remat` policy; with
   `segment_ids_BxL`, attention stays inside each packed document. Positions
-  default to `default_positions`."""
+  default to `default_positions`; each layer's weights pass through
+  `layer_weights` (`Slots.layer_weights`) as it runs."""
   if positions_BxL is None:
     positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
-    state = offload.fetch(state)  # weights offloaded to the host come in one layer at a time
-    return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, segment_ids_BxL), None
+    block = nnx.merge(graphdef, layer_weights(state))
+    return block(x_BxLxD, positions_BxL, segment_ids_BxL), None
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
@@ -342,50 +341,20 @@ def default_positions(tokens_BxL: jax.Array, segment_ids_BxL: jax.Array | None) 
   return positions(tokens_BxL) if segment_ids_BxL is None else document_positions(segment_ids_BxL)
 
 
-def _splits_length(mesh) -> bool:
-  """Whether the `sequence` axis splits the length (context parallel)."""
-  return not mesh.empty and mesh.shape.get("sequence", 1) > 1
-
-
-def zigzag_layout(cfg: LlamaConfig, mesh) -> bool:
-  """Whether the layers run in ring attention's zigzag token order: then
-  attention needs no re-layout of q, k, v and its output in every layer, only
-  the tokens going in and the last activations coming out do."""
-  return cfg.sequence_strategy == "ring" and _splits_length(mesh)
-
-
 class Llama(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    self.cfg = cfg
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
+    self.cfg, self.slots = cfg, slots
     self.embed = Embed(cfg, rngs)
-    self.layers = stacked_blocks(cfg, rngs)
+    self.layers = stacked_blocks(cfg, rngs, slots)
     self.head = Head(cfg, rngs)
 
   def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
-    """Returns float32 logits [batch, length, vocab]. Packed documents:
-    `segment_ids` [batch, length] (0 = padding) keep attention inside each
-    document; `positions` (rotary; by default each token's index inside its
-    document) restart there."""
-    mesh = jax.sharding.get_abstract_mesh()
-    zigzag = zigzag_layout(self.cfg, mesh)
-    segment_ids_BxL = segment_ids
-    if zigzag and positions is None and segment_ids_BxL is None:
-      # Each token keeps its position, wherever it sits: known without moving data.
-      order_L = sequence.zigzag_order(tokens_BxL.shape[1], mesh.shape["sequence"])
-      positions_BxL = jnp.broadcast_to(jnp.asarray(order_L), tokens_BxL.shape)
-    else:
-      positions_BxL = positions if positions is not None else default_positions(
-          tokens_BxL, segment_ids_BxL)
-      if zigzag:
-        positions_BxL = sequence.to_zigzag(positions_BxL, mesh)
-    if zigzag:
-      tokens_BxL = sequence.to_zigzag(tokens_BxL, mesh)
-      if segment_ids_BxL is not None:
-        segment_ids_BxL = sequence.to_zigzag(segment_ids_BxL, mesh)
-    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions_BxL, self.cfg.remat,
-                         segment_ids_BxL)
-    if zigzag:
-      x_BxLxD = sequence.from_zigzag(x_BxLxD, mesh)
+    """Returns float32 logits [batch, length, vocab], one per token in the
+    order given. Packed documents: `segment_ids` [batch, length] (0 =
+    padding) keep attention inside each document; `positions` (rotary; by
+    default each token's index inside its document) restart there."""
+    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions, self.cfg.remat,
+                         segment_ids, self.slots.layer_weights)
     return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None)

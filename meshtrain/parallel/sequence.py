@@ -1,9 +1,7 @@
 """Context-parallel causal attention: the `length` of activations is sharded
 over one mesh axis (`sequence`), and attention needs every earlier token.
 
-Three ways to bring keys and values to the queries, each a `shard_map` manual
-only over that axis, so batch (data/fsdp) and head (tensor) sharding stay
-automatic and compose:
+Three ways to bring keys and values to the queries:
 
   all_gather_kv  all-gather K and V; each shard attends its queries to the
                  prefix. Simple; K/V memory grows with the whole length, and
@@ -13,42 +11,28 @@ automatic and compose:
                  query heads divisible by the axis size.
   ring           K/V blocks travel around the ring (`ppermute`) while an
                  online softmax accumulates in float32. Causal load balance:
-                 tokens are re-laid out zigzag inside (device i holds chunks i
-                 and 2n-1-i of 2n), so every device does the same work.
+                 tokens lie zigzag (device i holds chunks i and 2n-1-i of
+                 2n), so every device does the same work.
 
-Inputs and outputs keep the caller's contiguous layout, or for ring the zigzag
-one (`to_zigzag`, `zigzag=True`): a model that keeps its activations in zigzag
-order from the embedding to the head (as `meshtrain.models.llama` does) saves
-two re-layouts of q, k, v and the output per layer. Rotary positions are
-applied by the caller.
-
-Checked with jax 0.10.2 (Shardy): `lax.all_gather` and `lax.all_to_all` inside
-a shard_map manual over only some axes lower to device-group collectives that
-the partitioner cannot split along the free axes, so it all-gathers a batch
-sharded over `data` (or heads over `tensor`) before each one, and sharding
-constraints inside do not help. `lax.ppermute` keeps them sharded. So
-all_gather_kv and ulysses leave their collective to the partitioner at the
-shard_map boundary (in_specs that differ from the inputs' sharding), where the
-free axes stay put; ring calls `ppermute` itself.
-
-The axes that split only the batch (`data`, `fsdp`) are taken manual as well:
-every row attends alone, so they need nothing, and a `jax.vmap` over `data`
-with spmd_axis_name (per-replica gradient accumulation) then finds `data`
-manual where it adds it to the specs. jax 0.10 adds a vmapped axis to a
-shard_map's specs without making it manual, which failed with "unbound axis
-name: data" while only `sequence` was. Under that vmap the varying-axes check
-(check_vma) still rejects the out_specs and mixes of values that vary over
-`data` and values that do not, so it is off; the equivalence tests hold the
-gradients to one device.
-
-Inside a shard_map that is already manual over the axis (the pipeline's,
-which takes `sequence` manual with `pipeline`), the strategies run on the
-local shards and make their collectives themselves: `lax.all_gather` of K
-and V, `lax.all_to_all` between length and heads, the ring as always.
+Contract of `sequence_attention`: equal to `attention.causal_attention` on the
+whole sequence, for q, k, v of any batch (data/fsdp) and head (tensor)
+sharding, which stay as they are. Outside a shard_map it opens its own,
+manual over the axis and the batch-only axes; inside one that is already
+manual over the axis (the pipeline's) it works on the local shards and makes
+the collectives itself. On a mesh where the axis is absent or of size 1 it is
+`causal_attention`. With `zigzag=True` (ring only) the caller's tokens are
+already in `zigzag_order`: a model fed its batch in that order (`to_zigzag`,
+positions included) runs every layer without re-laying q, k, v and the
+output, and a mean loss over tokens needs no reordering back. Rotary
+positions are applied by the caller.
 
 Packed documents (`segment_ids_BxL`, 0 = padding): every strategy masks keys
 of other documents. The ids follow q's layout; all_gather_kv and ulysses see
 them whole, ring passes them around with K and V.
+
+Why the shard_maps are shaped as they are (which collective the partitioner
+or the kernel makes, `check_vma` off, the batch axes taken manual) is in
+docs/context_parallel.md.
 """
 
 import functools
@@ -62,7 +46,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshtrain import rules as r
-from meshtrain.models import attention
+from meshtrain.parallel import attention
 
 STRATEGIES = ("all_gather_kv", "ulysses", "ring")
 FREE = P.UNCONSTRAINED
@@ -84,13 +68,13 @@ def _split(mesh: Mesh, axis: str, batch_size: int) -> tuple[set[str], tuple[str,
 
 
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
-                       strategy: str, mesh: Mesh, axis: str = "sequence",
+                       strategy: str, mesh: Mesh | None = None, axis: str = "sequence",
                        zigzag: bool = False,
                        segment_ids_BxL: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention over a length sharded on `axis`; equal to
   `attention.causal_attention(q, k, v, segment_ids_BxL=...)` on the whole
   sequence. With `zigzag` (ring only) q, k, v, the segment ids and the output
-  are in `to_zigzag` order. Call it under `jax.jit` with `mesh` set
+  are in `to_zigzag` order. `mesh` defaults to the one in context
   (`jax.set_mesh`)."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence attention strategy {strategy!r}; "
@@ -101,8 +85,9 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   num_kv_heads = k_BxLxKxH.shape[2]
   if num_heads % num_kv_heads:
     raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-  n = mesh.shape[axis]
-  if n == 1:
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  n = 1 if mesh.empty else mesh.shape.get(axis, 1)
+  if n == 1:  # zigzag order on one device is the natural one
     return attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                       segment_ids_BxL=segment_ids_BxL)
   check_split(strategy, num_heads, length * n if _is_manual(mesh, axis) else length, n, axis)
@@ -346,20 +331,13 @@ def zigzag_order(length: int, n: int) -> np.ndarray:
 def to_zigzag(x_BxL: jax.Array, mesh: Mesh, axis: str = "sequence") -> jax.Array:
   """`x[:, zigzag_order(L, n)]` for any [batch, length, ...] array whose length
   is split over `axis`, in two collective-permutes."""
-  return _relayout(_to_zigzag, x_BxL, mesh, axis)
-
-
-def from_zigzag(x_BxL: jax.Array, mesh: Mesh, axis: str = "sequence") -> jax.Array:
-  """The inverse of `to_zigzag`."""
-  return _relayout(_from_zigzag, x_BxL, mesh, axis)
-
-
-def _relayout(relayout, x_BxL: jax.Array, mesh: Mesh, axis: str) -> jax.Array:
   manual, batch = _split(mesh, axis, x_BxL.shape[0])
   by_length = P(batch, axis)
-  return jax.shard_map(functools.partial(relayout, axis=axis, n=mesh.shape[axis]), mesh=mesh,
+  return jax.shard_map(functools.partial(_to_zigzag, axis=axis, n=mesh.shape[axis]), mesh=mesh,
                        in_specs=by_length, out_specs=by_length, axis_names=manual,
                        check_vma=False)(x_BxL)
+
+
 
 
 def _to_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:

@@ -15,17 +15,17 @@ import jax
 from tqdm import tqdm
 
 from meshtrain import rules as r
-from meshtrain.analysis.flops import flops_per_token
+from meshtrain.models.flops import flops_per_token
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
-from meshtrain.evaluate import due, evaluator_for
+from meshtrain.train.evaluate import evaluator_for
 from meshtrain.mesh import make_mesh
 from meshtrain.train.metrics import MetricsWriter
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.state import model_config
+from meshtrain.train.parallelize import model_config
 
 
 def describe(setup: Setup) -> str:
@@ -91,9 +91,9 @@ def train(cfg) -> list[dict]:
       for step in range(first, cfg.steps + 1):
         state, metrics = setup.train_step(state, to_global(next(batches), sharding, batch_shape))
         bar.update(1)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+        if checkpoints.due(step):
           checkpoints.save(step, state, batches, cfg)
-        evaluating = evaluator is not None and due(cfg, step)
+        evaluating = evaluator is not None and evaluator.due(step)
         logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
         preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
         if not (logging or preempted):

@@ -1,15 +1,20 @@
-"""Where a run starts: its workdir's newest checkpoint, another run's, or a fresh init."""
+"""Where a run starts: its workdir's newest checkpoint, another run's, a
+Hugging Face model's weights, or a fresh init; and `import_hf`, which writes a
+Hugging Face model as a run's step 0."""
 
 import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from meshtrain.checkpoint import Checkpoints
+from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
-from meshtrain.train.setup import Setup
+from meshtrain.hf.load import check_model, load_params
+from meshtrain.train.setup import Setup, build
 from meshtrain.train.state import TrainState
 
 
@@ -41,7 +46,7 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
     if step is None and cfg.checkpoint.restore_from:
       source, step = _restore_source(cfg.checkpoint.restore_from)
     if step is None and cfg.init_from:
-      return importer.init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
+      return init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
     if step is None:
       return setup.init_state(), own or _own(cfg), "initialized"
     if source is own and not cfg.checkpoint.allow_changes:
@@ -93,4 +98,47 @@ def _check_unchanged(own: Checkpoints, step: int, cfg) -> None:
 
 def _own(cfg) -> Checkpoints:
   return Checkpoints(Path(cfg.workdir) / "checkpoints", keep=cfg.checkpoint.keep,
+                     every_steps=cfg.checkpoint.every_steps,
                      config_key="config.workdir")
+
+
+def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
+  """The train state at step 0 with the weights of the Hugging Face model in
+  `directory`, each device reading only its shards (`key` names the flag)."""
+  params = load_params(directory, setup.spec.abstract_params, setup.shardings.params, key=key)
+
+  def create(params):
+    return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params),
+                      jnp.zeros((), jnp.int32))
+  with jax.set_mesh(setup.mesh):
+    return jax.jit(create, out_shardings=setup.shardings, donate_argnums=0)(params)
+
+
+def init_from(cfg, setup: Setup) -> TrainState:
+  """The start of a run with `config.init_from=hf:DIR`; its `config.model` must be DIR's model."""
+  key = "config.init_from"
+  if not cfg.init_from.startswith(importer.PREFIX):
+    raise ConfigError(key, f"{cfg.init_from!r} is not '' or 'hf:DIR' (a Hugging Face model "
+                      "directory)")
+  directory = cfg.init_from[len(importer.PREFIX):]
+  check_model(directory, cfg.model, key=key)
+  return initial_state(setup, directory, key=key)
+
+
+def import_hf(cfg, source, workdir) -> Path:
+  """Writes `workdir` from the Hugging Face model in `source` on the mesh of
+  `cfg`: its files (`meshtrain.hf.importer`) and a step-0 checkpoint."""
+  source, workdir = Path(source), Path(workdir).absolute()
+  hf, has_tokenizer = importer.prepare(cfg, source, workdir)
+  setup = build(cfg)
+  state = initial_state(setup, source, key="--from")
+  batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                          vocab_size=cfg.model.vocab_size, seed=cfg.seed)
+  if jax.process_index() == 0:
+    importer.write_files(cfg, hf, source, workdir, has_tokenizer)
+  checkpoints = Checkpoints(workdir / "checkpoints", keep=cfg.checkpoint.keep, config_key="--to")
+  try:
+    checkpoints.save(0, state, batches, cfg)
+  finally:
+    checkpoints.close()
+  return workdir

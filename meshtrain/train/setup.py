@@ -11,15 +11,15 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel import local_sgd, sequence
+from meshtrain.parallel import sequence
 from meshtrain.parallel.pipeline import schedule as schedules
+from meshtrain.train import local_sgd, parallelize, precision
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
-from meshtrain.train import precision
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import model_loss
 from meshtrain.train.pipelined import pipelined_value_and_grad
-from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, llama_spec,
-                                   model_config, state_shardings, with_memory_kind)
+from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, state_shardings,
+                                   with_memory_kind)
 from meshtrain.train.step import TrainStep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -157,14 +157,16 @@ def build(cfg, devices=None) -> Setup:
   local_sgd.validate(cfg)
   precision.validate(cfg)
   rules = sharding_rules(cfg, mesh)
-  spec = llama_spec(model_config(cfg), cfg.seed)
+  spec = parallelize.model_spec(cfg, mesh)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
   shardings = state_shardings(spec, optimizer, mesh, rules, initial_loss_scale(cfg))
   shardings = offloaded(shardings, cfg.offload)
 
+  order = parallelize.batch_order(cfg)
+
   def loss_fn(params, batch):
-    return model_loss(nnx.merge(spec.graphdef, params), batch)
+    return model_loss(nnx.merge(spec.graphdef, params), order(batch))
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps,

@@ -17,7 +17,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain import rules as r
-from meshtrain.models.llama import Llama, LlamaConfig, attention_implementation
 from meshtrain.models.patterns import Patterns, names_by_path, path_string
 from meshtrain.train.precision import LossScale
 
@@ -43,15 +42,6 @@ class ModelSpec:
   graphdef: nnx.GraphDef | None = None
 
 
-def model_config(cfg) -> LlamaConfig:
-  implementation = attention_implementation(cfg.attention.implementation, cfg.compute_dtype,
-                                            cfg.model.head_dim, jax.devices()[0],
-                                            packed=cfg.data.packing == "segments")
-  return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat,
-                     sequence_strategy=cfg.attention.sequence_strategy,
-                     attention_implementation=implementation)
-
-
 def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None) -> ModelSpec:
   """The spec of any flax NNX model. Logical names come from the variables'
   annotations (`nnx.with_partitioning`) or, for a model without them, from
@@ -69,10 +59,6 @@ def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None)
   abstract_params = abstract.to_pure_dict()
   names = r.logical_names(abstract) if patterns is None else names_by_path(abstract_params, patterns)
   return ModelSpec(lambda: split()[1].to_pure_dict(), abstract_params, names, graphdef)
-
-
-def llama_spec(model_cfg: LlamaConfig, seed: int = 0) -> ModelSpec:
-  return nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed)))
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,

@@ -1,15 +1,31 @@
-"""The jitted train step: working-copy cast, gradient accumulation, AdamW update.
+"""The train step: working-copy cast, gradients (accumulated), optimizer update.
 
 Precision: the state holds float32 master weights; forward and backward run on
 a copy cast to `param_dtype` and laid out by the `params` rules (under ZeRO-1/2
 that layout change is the parameter all-gather), activations in
 `compute_dtype`, logits and loss in float32. Gradients are accumulated in
 `grad_dtype` (float32 by default) in the layout of the `grads` rules.
+
+`train_step(program, state, batch)` is a pure function of a frozen `Program`
+(what to differentiate, how to update, where each part of the state lies);
+`TrainStep` builds the program and jits it.
+
+Health: a step whose loss, gradient norm, new weights or new optimizer state
+are not finite changes nothing but `nonfinite_steps`. Under
+`nan_policy="skip"` training goes on (`step` counts the dropped step); under
+"stop" the state stays frozen at the last good step from then on, so the loop
+can save it when it next looks. With a `state.loss_scale` (float16) the loss
+is scaled before the backward pass and the gradients unscaled after
+(`meshtrain.train.precision`); a step whose gradients overflow while its loss
+is finite is skipped, counted in `loss_scale.overflow_steps` and not as
+non-finite, and the scale halves.
 """
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,37 +34,234 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
-from meshtrain.parallel import offload
 from meshtrain.train import precision
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import TrainState, in_memory, is_offloaded
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[dict, Batch], jax.Array]
-GradsFn = Callable[[dict, Batch], tuple[jax.Array, dict]]
+# (params, batch, loss scale=None) -> (mean loss, gradients in grad_dtype)
+GradsFn = Callable[..., tuple[jax.Array, dict]]
 # Batch leaves are [batch, length, ...]: rows split over data x fsdp, tokens over sequence.
 BATCH_NAMES = (r.BATCH, r.LENGTH)
 
 
-def _trim(spec: P) -> P:
-  """Without trailing unsharded dimensions, so the spec fits leaves of any rank."""
-  parts = list(spec)
+def batch_sharding(mesh: Mesh, rules: r.ShardingRules) -> NamedSharding:
+  """The layout of every batch leaf (trailing unsharded dimensions dropped, so
+  that it fits leaves of any rank)."""
+  parts = list(r.logical_to_spec(BATCH_NAMES, rules.params))
   while parts and parts[-1] is None:
     parts.pop()
-  return P(*parts)
+  return NamedSharding(mesh, P(*parts))
+
+
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
 def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
 
-def batch_sharding(mesh: Mesh, rules: r.ShardingRules) -> NamedSharding:
-  """The layout of every batch leaf."""
-  return NamedSharding(mesh, _trim(r.logical_to_spec(BATCH_NAMES, rules.params)))
+# Gradients.
+
+def value_and_grad(loss_fn: LossFn, grad_dtype: str, params, batch: Batch, scale=None):
+  """The mean loss and its gradients in `grad_dtype`; with `scale` the
+  backward pass starts from it, not 1 (float16 loss scaling)."""
+  if scale is None:
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  else:
+    loss, backward = jax.vjp(lambda p: loss_fn(p, batch), params)
+    grads, = backward(scale.astype(loss.dtype))
+  return loss, _cast(grads, grad_dtype)
 
 
-def _cast(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype), tree)
+def replica_value_and_grad(grads_fn: GradsFn, replicas: int, rules: r.ShardingRules,
+                           params, batch: Batch, scale=None):
+  """Per-replica losses [data] and gradients [data, ...], not yet summed: each
+  `data` replica's rows through `grads_fn` (a vmap over `data`)."""
+  def by_replica(x):
+    return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+  with nnx.logical_axis_rules(r.without_axis(rules.params, "data")):
+    return jax.vmap(grads_fn, in_axes=(None, 0, None), spmd_axis_name="data")(
+        params, jax.tree.map(by_replica, batch), scale)
+
+
+def accumulated(grads_fn: GradsFn, count: int, grad_specs, grad_dtype: str, replicas: int,
+                params, batch: Batch, scale=None):
+  """Mean loss and gradient over `count` microbatches, summed in `grad_dtype`
+  in the `grad_specs` layout. With `replicas` > 1, `grads_fn` returns each
+  replica's own sums (`replica_value_and_grad`), reduced once at the end."""
+  lead = (replicas,) if replicas > 1 else ()
+  specs = jax.tree.map(lambda s: P("data", *s), grad_specs) if lead else grad_specs
+
+  def body(carry, microbatch):
+    loss, grads = grads_fn(params, microbatch, scale)
+    grads = jax.lax.with_sharding_constraint(grads, specs)
+    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+  zeros = jax.lax.with_sharding_constraint(
+      jax.tree.map(lambda p: jnp.zeros(lead + p.shape, grad_dtype), params), specs)
+  (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros),
+                                  split_microbatches(batch, count))
+  return jax.tree.map(lambda x: (x.sum(0) if lead else x) / (count * max(replicas, 1)),
+                      (loss, grads))
+
+
+# The step.
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """How a step trains, apart from the model, the optimizer and the layout."""
+  grad_accum_steps: int = 1
+  param_dtype: str = "float32"
+  grad_dtype: str = "float32"
+  nan_policy: str = "stop"     # stop | skip (see the module docstring)
+  loss_scale_period: int = 2000
+  replicas: int | None = None  # data-parallel degree; default the `data` axis, 1 where a caller
+                               # maps the step over `data` itself (local SGD)
+  streamed: str | None = None  # a params subtree that stays on the host through forward and
+                               # backward (`config.offload.params`); it comes in per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What `train_step` reads, resolved once."""
+  grads_fn: GradsFn
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule | None
+  options: StepOptions
+  param_shardings: Any   # the working copy's layout (the `params` rules)
+  shardings: TrainState  # the state's layout between steps
+  on_device: TrainState  # the same with everything in device memory (the update's)
+  compute: TrainState    # where forward and backward find the state: on the device, but
+                         # the streamed weights
+  offloaded: bool        # whether any of the state lies in host memory between steps
+
+
+def working_weights(program: Program, params):
+  """The forward's weights: cast to `param_dtype` and laid out by the `params`
+  rules; streamed weights stay where they are (cast per layer on the device)."""
+  dtype, streamed = jnp.dtype(program.options.param_dtype), program.options.streamed
+  if streamed is None:
+    return jax.lax.with_sharding_constraint(_cast(params, dtype), program.param_shardings)
+  rest = {k: v for k, v in params.items() if k != streamed}
+  working = jax.lax.with_sharding_constraint(
+      _cast(rest, dtype), {k: program.param_shardings[k] for k in rest})
+  return {**working, streamed: params[streamed]}
+
+
+def gradients(program: Program, state: TrainState, batch: Batch):
+  """Loss and gradients of the batch at the state's weights, unscaled, in the
+  optimizer's layout on the device."""
+  scale = None if state.loss_scale is None else state.loss_scale.scale
+  loss, grads = program.grads_fn(working_weights(program, state.params), batch, scale)
+  if scale is not None:
+    grads = jax.tree.map(lambda g: g / scale, grads)
+  if program.options.streamed:  # the streamed gradients came back to the host
+    grads = jax.device_put(grads, jax.memory.Space.Device)
+  # Gradients meet the optimizer in its layout: an all-reduce for replicated
+  # state, a reduce-scatter for sharded state (ZeRO, FSDP).
+  return loss, jax.lax.with_sharding_constraint(grads, program.on_device.params)
+
+
+def _update(optimizer, params, opt_state, grads):
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _keep(params, opt_state, grads):
+  return params, opt_state
+
+
+def apply_update(program: Program, state: TrainState, grads, healthy: jax.Array):
+  """The new weights and optimizer state where `healthy`, else the old ones.
+  A branch, not a select of new and old state: a select still needs each old
+  optimizer moment when the new one is written over it (the donated buffer),
+  so XLA copied every moment, twice the weights' bytes, each step."""
+  update = functools.partial(_update, program.optimizer)
+  return jax.lax.cond(healthy, update, _keep, state.params, state.opt_state, grads)
+
+
+def train_step(program: Program, state: TrainState, batch: Batch
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One step: `(state, batch) -> (new state, metrics)`."""
+  options = program.options
+  if program.offloaded:  # offloaded state comes to the device
+    state = dataclasses.replace(state, **jax.device_put(
+        {"params": state.params, "opt_state": state.opt_state},
+        {"params": program.compute.params, "opt_state": program.compute.opt_state}))
+  loss, grads = gradients(program, state, batch)
+  if options.streamed:  # the update runs on the device
+    state = dataclasses.replace(state, params=jax.device_put(state.params,
+                                                             program.on_device.params))
+  grad_norm = optax.tree.norm(grads)
+  loss_scale = state.loss_scale
+  # An overflow of scaled gradients, not a diverged run: the scale halves.
+  overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (loss_scale.scale > 1)
+              if loss_scale is not None else jnp.bool_(False))
+  # The new weights and optimizer state must be finite too, whatever the cause
+  # (a NaN learning rate, an overflow): a reduction over the update, which XLA
+  # fuses with its arithmetic, so the branch still writes it in place.
+  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) &
+            _all_finite(_update(program.optimizer, state.params, state.opt_state, grads)))
+  skip = options.nan_policy == "skip"
+  healthy = finite if skip else finite & (state.nonfinite_steps == 0)
+  params, opt_state = apply_update(program, state, grads, healthy)
+  if program.offloaded:  # back to where the state lives
+    params, opt_state = jax.device_put((params, opt_state),
+                                       (program.shardings.params, program.shardings.opt_state))
+  nonfinite_steps = state.nonfinite_steps + (~finite & ~overflow).astype(jnp.int32)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
+  if loss_scale is not None:
+    metrics["loss_scale"] = loss_scale.scale  # the scale this step ran with
+    loss_scale = precision.adjust(loss_scale, finite, overflow, options.loss_scale_period)
+    metrics["overflow_steps"] = loss_scale.overflow_steps
+  if program.schedule is not None:
+    metrics["learning_rate"] = program.schedule(state.step)
+  counts = (healthy | skip | overflow).astype(jnp.int32)
+  return dataclasses.replace(state, step=state.step + counts, params=params, opt_state=opt_state,
+                             nonfinite_steps=nonfinite_steps, loss_scale=loss_scale), metrics
+
+
+def build_program(loss_fn: LossFn, names, optimizer: optax.GradientTransformation, mesh: Mesh,
+                  rules: r.ShardingRules, shardings: TrainState, options: StepOptions,
+                  schedule: optax.Schedule | None = None,
+                  grads_fn: GradsFn | None = None) -> Program:
+  """The program of a step. `loss_fn(params, batch)` is the mean loss of a
+  batch and `names` the logical names of the params; `grads_fn(params, batch)
+  -> (loss, float32 grads)` replaces the differentiation of `loss_fn` (the
+  pipeline brings its own, accumulation included; no loss scaling)."""
+  replicas = mesh.shape["data"] if options.replicas is None else options.replicas
+  options = dataclasses.replace(options, replicas=replicas)
+  grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
+  if grads_fn is not None:
+    grads_fn = functools.partial(_unscaled, grads_fn)
+  else:
+    grads_fn = functools.partial(value_and_grad, loss_fn, options.grad_dtype)
+    if options.grad_accum_steps > 1:
+      # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each
+      # replica's own sum and reduce once per step, not once per microbatch.
+      per_replica = replicas > 1 and "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs))
+      if per_replica:
+        grads_fn = functools.partial(replica_value_and_grad, grads_fn, replicas, rules)
+      grads_fn = functools.partial(accumulated, grads_fn, options.grad_accum_steps, grad_specs,
+                                   options.grad_dtype, replicas if per_replica else 1)
+  offloaded = is_offloaded(shardings)
+  on_device = in_memory(shardings, "device") if offloaded else shardings
+  compute = on_device if options.streamed is None else dataclasses.replace(
+      on_device, params={**on_device.params,
+                         options.streamed: shardings.params[options.streamed]})
+  return Program(grads_fn, optimizer, schedule, options,
+                 r.tree_shardings(names, mesh, rules.params), shardings, on_device, compute,
+                 offloaded)
+
+
+def _unscaled(grads_fn, params, batch: Batch, scale=None):
+  """A two-argument `grads_fn` as a GradsFn (the configs that bring their own
+  refuse float16 loss scaling up front)."""
+  assert scale is None, "this gradient function takes no loss scale"
+  return grads_fn(params, batch)
 
 
 class TrainStep:
@@ -56,159 +269,17 @@ class TrainStep:
 
   def __init__(self, loss_fn: LossFn, names, optimizer: optax.GradientTransformation,
                mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
-               grad_accum_steps: int = 1, param_dtype: str = "float32",
-               grad_dtype: str = "float32", schedule: optax.Schedule | None = None,
-               grads_fn: GradsFn | None = None, nan_policy: str = "stop",
-               replicas: int | None = None, loss_scale_period: int = 2000,
-               streamed: str | None = None):
-    """`loss_fn(params, batch)` is the mean loss of a batch; `names` the logical
-    names of the params. `grads_fn(params, batch) -> (loss, float32 grads)`
-    replaces the differentiation of `loss_fn` (the pipeline brings its own);
-    `schedule` gives the logged learning rate.
-
-    A step whose loss, gradient norm, new weights or new optimizer state are
-    not finite changes nothing but
-    `nonfinite_steps`. Under `nan_policy="skip"` training goes on (`step`
-    counts the dropped step); under "stop" the state stays frozen at the last
-    good step from then on, so the loop can save it when it next looks.
-
-    With a `state.loss_scale` (float16) the loss is scaled before the
-    backward pass and the gradients unscaled after (`meshtrain.train.precision`);
-    a step whose gradients overflow while its loss is finite is skipped, counted
-    in `loss_scale.overflow_steps` and not as non-finite, and the scale halves.
-
-    `replicas` is the data-parallel degree, by default the `data` axis; 1 where
-    a caller maps the step over `data` itself (`step_fn`, as local SGD does).
-
-    `streamed` names the params subtree that stays in host memory through the
-    forward and backward (its shardings in `state_shardings` say
-    "pinned_host"): the model fetches it layer by layer
-    (`meshtrain.parallel.offload`); it comes to the device for the update.
-    """
+               schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
+               **options):
+    """`options` are `StepOptions`' fields; `build_program` says the rest."""
     self.mesh, self.rules = mesh, rules
     self.batch_sharding = batch_sharding(mesh, rules)
-    param_shardings = r.tree_shardings(names, mesh, rules.params)
-    grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
-    dtype = jnp.dtype(param_dtype)
-    # Offloaded master weights and optimizer state come to the device for the
-    # update and go back to the host after it.
-    offloaded = is_offloaded(state_shardings)
-    on_device = in_memory(state_shardings, "device") if offloaded else state_shardings
-    # Where the forward and backward find the state: on the device but the streamed weights.
-    compute_place = on_device if streamed is None else dataclasses.replace(
-        on_device, params={**on_device.params, streamed: state_shardings.params[streamed]})
-    replicas = mesh.shape["data"] if replicas is None else replicas
-    # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each replica's
-    # own sum and reduce once per step, not once per microbatch.
-    per_replica = (grad_accum_steps > 1 and replicas > 1 and
-                   "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs)))
-
-    def value_and_grad(params, batch: Batch, scale=None):
-      if scale is None:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      else:  # the backward pass starts from `scale`, not 1
-        loss, backward = jax.vjp(lambda p: loss_fn(p, batch), params)
-        grads, = backward(scale.astype(loss.dtype))
-      return loss, _cast(grads, grad_dtype)
-
-    def replica_value_and_grad(params, batch: Batch, scale=None):
-      """Per-replica losses [data] and gradients [data, ...], not yet summed."""
-      def by_replica(x):
-        return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
-      with nnx.logical_axis_rules(r.without_axis(rules.params, "data")):
-        return jax.vmap(value_and_grad, in_axes=(None, 0, None), spmd_axis_name="data")(
-            params, jax.tree.map(by_replica, batch), scale)
-
-    def accumulated(params, batch: Batch, scale=None):
-      """Mean loss and gradient over `grad_accum_steps` microbatches, summed in
-      `grad_dtype` in the `grads` layout."""
-      lead = (replicas,) if per_replica else ()
-      specs = jax.tree.map(lambda s: P("data", *s) if per_replica else s, grad_specs)
-      grads_fn = replica_value_and_grad if per_replica else value_and_grad
-
-      def body(carry, microbatch):
-        loss, grads = grads_fn(params, microbatch, scale)
-        grads = jax.lax.with_sharding_constraint(grads, specs)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-      zeros = jax.lax.with_sharding_constraint(
-          jax.tree.map(lambda p: jnp.zeros(lead + p.shape, grad_dtype), params), specs)
-      (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros),
-                                      split_microbatches(batch, grad_accum_steps))
-      count = grad_accum_steps * (replicas if per_replica else 1)
-      return jax.tree.map(lambda x: (x.sum(0) if per_replica else x) / count, (loss, grads))
-
-    if grads_fn is None:
-      grads_fn = value_and_grad if grad_accum_steps == 1 else accumulated
-    self.loss_fn, self.grads_fn = loss_fn, grads_fn  # meshtrain.analysis.selfcheck runs them alone
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-      if offloaded:
-        state = dataclasses.replace(state, **jax.device_put(
-            {"params": state.params, "opt_state": state.opt_state},
-            {"params": compute_place.params, "opt_state": compute_place.opt_state}))
-      working = state.params
-      if streamed is None:
-        working = jax.lax.with_sharding_constraint(_cast(working, dtype), param_shardings)
-      else:  # the streamed weights are cast on the device, one layer at a time
-        rest = {k: v for k, v in working.items() if k != streamed}
-        working = {**jax.lax.with_sharding_constraint(
-            _cast(rest, dtype), {k: param_shardings[k] for k in rest}), streamed: working[streamed]}
-      loss_scale = state.loss_scale
-      with offload.streaming(dtype) if streamed else contextlib.nullcontext():
-        if loss_scale is None:
-          loss, grads = grads_fn(working, batch)
-        else:
-          loss, grads = grads_fn(working, batch, loss_scale.scale)
-          grads = jax.tree.map(lambda g: g / loss_scale.scale, grads)
-      if streamed:  # the update runs on the device; the streamed gradients came back to the host
-        state = dataclasses.replace(state, params=jax.device_put(state.params, on_device.params))
-        grads = jax.device_put(grads, jax.memory.Space.Device)
-      # Gradients meet the optimizer in its layout: an all-reduce for replicated
-      # state, a reduce-scatter for sharded state (ZeRO, FSDP).
-      grads = jax.lax.with_sharding_constraint(grads, on_device.params)
-      grad_norm = optax.tree.norm(grads)
-      # An overflow of scaled gradients, not a diverged run: the scale halves.
-      overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (loss_scale.scale > 1)
-                  if loss_scale is not None else jnp.bool_(False))
-
-      def update(params, opt_state, grads):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-      # The new weights and optimizer state must be finite too, whatever the cause
-      # (a NaN learning rate, an overflow): a reduction over the update, which XLA
-      # fuses with its arithmetic, so the branch below still writes it in place.
-      finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) &
-                _all_finite(update(state.params, state.opt_state, grads)))
-      healthy = finite if nan_policy == "skip" else finite & (state.nonfinite_steps == 0)
-
-      def keep(params, opt_state, grads):
-        return params, opt_state
-
-      # A branch, not a select of new and old state: a select still needs each
-      # old optimizer moment when the new one is written over it (the donated
-      # buffer), so XLA copied every moment, twice the weights' bytes, each step.
-      params, opt_state = jax.lax.cond(healthy, update, keep, state.params, state.opt_state, grads)
-      if offloaded:
-        params, opt_state = jax.device_put((params, opt_state),
-                                           (state_shardings.params, state_shardings.opt_state))
-      counts = healthy | (nan_policy == "skip") | overflow
-      nonfinite_steps = state.nonfinite_steps + (~finite & ~overflow).astype(jnp.int32)
-      metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
-      if loss_scale is not None:
-        metrics["loss_scale"] = loss_scale.scale  # the scale this step ran with
-        loss_scale = precision.adjust(loss_scale, finite, overflow, loss_scale_period)
-        metrics["overflow_steps"] = loss_scale.overflow_steps
-      if schedule is not None:
-        metrics["learning_rate"] = schedule(state.step)
-      return dataclasses.replace(state, step=state.step + counts.astype(jnp.int32), params=params,
-                                 opt_state=opt_state, nonfinite_steps=nonfinite_steps,
-                                 loss_scale=loss_scale), metrics
-
-    self.step_fn = step  # unjitted, for callers that transform it
-
-    self._jitted = jax.jit(step, in_shardings=(state_shardings, self.batch_sharding),
+    self.program = build_program(loss_fn, names, optimizer, mesh, rules, state_shardings,
+                                 StepOptions(**options), schedule, grads_fn)
+    # meshtrain.analysis.selfcheck runs these alone
+    self.loss_fn, self.grads_fn = loss_fn, self.program.grads_fn
+    self.step_fn = functools.partial(train_step, self.program)  # unjitted, to transform
+    self._jitted = jax.jit(self.step_fn, in_shardings=(state_shardings, self.batch_sharding),
                            out_shardings=(state_shardings, None), donate_argnums=0)
 
   @contextlib.contextmanager

@@ -8,7 +8,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from meshtrain.parallel.pipeline import schedule as schedule_lib
+from meshtrain.parallel.pipeline import measures, schedule as schedule_lib
 
 # F blue, B orange, W green; darker for later chunks.
 _COLORS = {schedule_lib.F: matplotlib.colormaps["Blues"],
@@ -19,13 +19,13 @@ _COLORS = {schedule_lib.F: matplotlib.colormaps["Blues"],
 def draw_gantt(schedule: schedule_lib.Schedule, path: str | os.PathLike | None = None,
                costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Figure:
   """The chart as a matplotlib Figure (shown inline in a notebook), also written
-  to `path` as a PNG if given; boxes sit where `schedule_lib.timeline` puts
+  to `path` as a PNG if given; boxes sit where `measures.timeline` puts
   them with F, B and W costing `costs`.
 
   Forwards are blue, input gradients (B) orange, weight gradients (W) green,
   darker for later chunks; each box shows its microbatch.
   """
-  start, end = schedule_lib.timeline(schedule, costs)
+  start, end = measures.timeline(schedule, costs)
   total = float(np.nanmax(end))
   shortest = min(c for c in costs if c > 0) / schedule.num_chunks
   figure = Figure(figsize=(np.clip(0.3 * total / shortest, 6, 60),
@@ -58,8 +58,8 @@ def _box(axes: Axes, schedule: schedule_lib.Schedule, tick: int, stage: int,
 
 def _decorate(axes: Axes, schedule: schedule_lib.Schedule, total_time: float,
               costs: tuple[float, float, float]) -> None:
-  bubble = schedule_lib.bubble_fraction(schedule, costs)
-  paper = schedule_lib.paper_bubble_fraction(
+  bubble = measures.bubble_fraction(schedule, costs)
+  paper = measures.paper_bubble_fraction(
       schedule.name, schedule.num_stages, schedule.num_microbatches, costs, schedule.num_chunks)
   axes.set_title(
       f"{schedule.name}: P={schedule.num_stages} M={schedule.num_microbatches}"

@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from meshtrain.jax_internals import varying_axes
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.schedule import Schedule
 from meshtrain.parallel.pipeline.split import split_vjp
@@ -109,7 +110,7 @@ def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
   """Types values invariant over `axes` as varying, as every branch's outputs
   must be (an invariant zero and a computed value do not match)."""
   def cast(x):
-    varying = jax.typeof(x).manual_axis_type.varying
+    varying = varying_axes(x)
     missing = tuple(a for a in axes if a not in varying)
     return lax.pcast(x, missing, to="varying") if missing else x
   return jax.tree.map(cast, tree)
@@ -214,7 +215,7 @@ def pipeline_loss_and_grads(
   # Each device's loss is the mean over its equal share of a microbatch.
   scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
   batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
-  fields = ("op", "mb", "chunk", *schedules._SLOT_FIELDS)
+  fields = ("op", "mb", "chunk", *schedules.SLOT_FIELDS)
   tables = {name: getattr(schedule, name) for name in fields}
   tables["branch"] = branch_table(schedule)
 

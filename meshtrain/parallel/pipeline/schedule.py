@@ -1,9 +1,9 @@
 """Pipeline schedules as static tables: what every stage runs at every tick.
 
 A runtime (one `lax.scan` over ticks inside `shard_map`) indexes these arrays
-with `(tick, axis_index('pipeline'))`; nothing here runs a model. Tables are
-checked by `validate`, measured by `bubble_fraction`, `timeline` and
-`peak_in_flight`, printed by `to_text` and drawn by `draw.draw_gantt`.
+with `(tick, axis_index('pipeline'))`; nothing here runs a model. This module
+holds the table and its builders; `checks.validate` checks a table, `measures`
+times and prints it, `draw` draws it.
 
 Ops. The backward is split as zero-bubble pipelines split it (Qi et al.
 2023): F (forward, keeps its residuals), B (input gradient, sent on at once)
@@ -20,7 +20,6 @@ rule: each stage runs its next op at the first tick its inputs are there.
 """
 
 import dataclasses
-from typing import NoReturn
 
 import numpy as np
 
@@ -30,9 +29,9 @@ OP_LETTERS = {F: "F", B: "B", W: "W"}
 
 # Every buffer of a stage: the values it holds, where they are written and
 # read (table columns), and what frees them. (kind, stage, mb, chunk) keys.
-_SLOT_FIELDS = ("act_recv_slot", "act_slot", "grad_recv_slot", "grad_slot", "res_slot",
+SLOT_FIELDS = ("act_recv_slot", "act_slot", "grad_recv_slot", "grad_slot", "res_slot",
                 "cut_slot", "head_res_slot", "head_cut_slot")
-_ARRAY_FIELDS = ("op", "mb", "chunk", *_SLOT_FIELDS)
+ARRAY_FIELDS = ("op", "mb", "chunk", *SLOT_FIELDS)
 BUFFERS = {  # buffer -> (column written, column read, column read last)
     "act": ("act_recv_slot", "act_slot", "act_slot"),        # arrival -> F
     "grad": ("grad_recv_slot", "grad_slot", "grad_slot"),    # arrival -> B
@@ -80,7 +79,7 @@ class Schedule:
 
   def __post_init__(self):
     # Read-only int32 copies: the table cannot change under a runtime.
-    for field in _ARRAY_FIELDS:
+    for field in ARRAY_FIELDS:
       array = np.array(getattr(self, field), dtype=np.int32)
       array.setflags(write=False)
       object.__setattr__(self, field, array)
@@ -154,8 +153,8 @@ def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   so a stage uses exactly as many slots as it ever holds values at once.
   """
   op, mb, chunk = (np.asarray(t, np.int32) for t in (op, mb, chunk))
-  tables = {field: np.full(op.shape, -1, np.int32) for field in _SLOT_FIELDS}
-  for buffer, uses in _value_uses(num_stages, num_chunks, op, mb, chunk).items():
+  tables = {field: np.full(op.shape, -1, np.int32) for field in SLOT_FIELDS}
+  for buffer, uses in value_uses(num_stages, num_chunks, op, mb, chunk).items():
     _assign_slots(uses, tables, op.shape[1])
   return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables)
 
@@ -163,7 +162,7 @@ def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
 _Uses = dict[tuple[int, int, int], list[tuple[str, int]]]
 
 
-def _value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
+def value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
                 chunk: np.ndarray) -> dict[str, _Uses]:
   """buffer -> {(stage, mb, chunk): [(column, tick), ...]}."""
   num_ticks = op.shape[0]
@@ -381,243 +380,3 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> Non
   for key, value in sizes.items():
     if not isinstance(value, int | np.integer) or value < 1:
       raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
-# Checks.
-
-
-def validate(schedule: Schedule) -> None:
-  """Raises ValueError naming the first broken rule, tick and stage.
-
-  Checks: ops are valid (kind, mb, chunk); every F, B and W of each (mb,
-  global chunk) runs exactly once (a forward-only table: every F, no B or
-  W); F of chunk c after F of c - 1, B after its F and after B of c + 1, W
-  after its B; replaying the buffers, values go to free slots and every op
-  reads the slot holding its own value.
-  """
-  shape = schedule.op.shape
-  if len(shape) != 2 or shape[1] != schedule.num_stages:
-    raise ValueError(f"op has shape {shape}, expected [ticks, {schedule.num_stages}]")
-  for field in _ARRAY_FIELDS:
-    if getattr(schedule, field).shape != shape:
-      raise ValueError(f"{field} has shape {getattr(schedule, field).shape}, expected {shape}")
-  bad = ((schedule.op < IDLE) | (schedule.op > W) | (schedule.mb >= schedule.num_microbatches)
-         | (schedule.chunk >= schedule.num_chunks)
-         | ((schedule.op == IDLE) != (schedule.mb < 0)) | ((schedule.mb < 0) != (schedule.chunk < 0)))
-  if bad.any():
-    tick, stage = np.argwhere(bad)[0]
-    raise ValueError(f"tick {tick} stage {stage}: op {schedule.op[tick, stage]} (microbatch "
-                     f"{schedule.mb[tick, stage]}, chunk {schedule.chunk[tick, stage]}) is not a "
-                     f"valid op, microbatch and chunk, nor idle with both -1")
-  kinds = (F, B, W) if schedule.has_backward else (F,)
-  ticks = {kind: _op_ticks(schedule, kind, kind in kinds) for kind in (F, B, W)}
-  _check_dependencies(schedule, ticks)
-  _check_buffers(schedule)
-
-
-def _op_ticks(schedule: Schedule, kind: int, required: bool) -> dict[tuple[int, int], int]:
-  """(mb, global chunk) -> tick of its one `kind` op; raises if not one."""
-  found: dict[tuple[int, int], list[int]] = {}
-  for tick, stage in np.argwhere(schedule.op == kind):
-    key = (int(schedule.mb[tick, stage]),
-           int(schedule.chunk[tick, stage]) * schedule.num_stages + int(stage))
-    found.setdefault(key, []).append(int(tick))
-  for mb in range(schedule.num_microbatches):
-    for c in range(schedule.num_stages * schedule.num_chunks):
-      at = found.get((mb, c), [])
-      if len(at) != (1 if required else 0):
-        what = "is missing" if not at else f"runs at ticks {at}"
-        raise ValueError(f"{OP_LETTERS[kind]} of {_value(schedule, mb, c)} {what}; it must run "
-                         f"{'exactly once' if required else 'never in a forward-only table'}")
-  return {key: at[0] for key, at in found.items()}
-
-
-def _value(schedule: Schedule, mb: int, chunk: int) -> str:
-  stage, v = chunk % schedule.num_stages, chunk // schedule.num_stages
-  return f"microbatch {mb} chunk {chunk} (stage {stage}, virtual chunk {v})"
-
-
-def _check_dependencies(schedule: Schedule, ticks: dict[int, dict]) -> None:
-  last = schedule.num_stages * schedule.num_chunks - 1
-  rules = [(F, F, -1, "its input"), (B, F, 0, "its forward"), (B, B, 1, "its gradient"),
-           (W, B, 0, "its input gradient")]
-  for kind, need_kind, offset, what in rules:
-    for (mb, c), tick in ticks[kind].items():
-      if not 0 <= c + offset <= last:
-        continue
-      need = ticks[need_kind][mb, c + offset]
-      if tick <= need:
-        raise ValueError(f"{OP_LETTERS[kind]} of {_value(schedule, mb, c)} runs at tick {tick}, "
-                         f"before {what} from tick {need} is there")
-
-
-class _Buffer:
-  """Replays one stage's slots: writes need a free slot, reads their value."""
-
-  def __init__(self, kind: str, stage: int):
-    self.kind, self.stage, self.held = kind, stage, {}
-
-  def write(self, tick: int, slot: int, value: tuple[int, int]) -> None:
-    if slot < 0:
-      self.fail(tick, f"{self._name(value)} needs a slot but has {slot}")
-    if slot in self.held:
-      self.fail(tick, f"writing {self._name(value)} overwrites slot {slot}, "
-                f"which still holds {self._name(self.held[slot])}")
-    self.held[slot] = value
-
-  def read(self, tick: int, slot: int, value: tuple[int, int], free: bool) -> None:
-    held = self.held.get(slot)
-    if held != value:
-      self.fail(tick, f"reads slot {slot} for {self._name(value)} but it "
-                f"holds {self._name(held) if held else 'nothing'}")
-    if free:
-      del self.held[slot]
-
-  def fail(self, tick: int, message: str) -> NoReturn:
-    raise ValueError(f"tick {tick} stage {self.stage}: {message}")
-
-  def _name(self, value: tuple[int, int]) -> str:
-    return f"the {self.kind} of microbatch {value[0]} chunk {value[1]}"
-
-
-def _check_buffers(schedule: Schedule) -> None:
-  """Replays every stage's buffers tick by tick: arrivals, then the op, which
-  writes and reads exactly the slots its values need."""
-  expected = {}  # (column, tick, stage) -> (buffer, value, action)
-  for buffer, uses in _value_uses(schedule.num_stages, schedule.num_chunks, schedule.op,
-                                  schedule.mb, schedule.chunk).items():
-    for (stage, mb, v), events in uses.items():
-      events = sorted(events, key=lambda e: e[1])
-      for i, (column, tick) in enumerate(events):
-        action = "write" if i == 0 else ("free" if i == len(events) - 1 else "read")
-        expected[column, tick, stage] = (buffer, (mb, v), action)
-  for stage in range(schedule.num_stages):
-    buffers = {name: _Buffer(name, stage) for name in BUFFERS}
-    for tick in range(schedule.num_ticks):
-      for column in _SLOT_FIELDS:
-        slot = int(getattr(schedule, column)[tick, stage])
-        use = expected.get((column, tick, stage))
-        if use is None:
-          if slot != -1:
-            buffers["act"].fail(tick, f"{column} is {slot} but no value uses it")
-          continue
-        name, value, action = use
-        if action == "write":
-          buffers[name].write(tick, slot, value)
-        else:
-          buffers[name].read(tick, slot, value, free=action == "free")
-
-
-# Metrics.
-
-
-def ideal_bubble_fraction(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
-  """(P - 1)/(V M + P - 1): the textbook bubble of GPipe, 1F1B, interleaved."""
-  return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
-
-
-def paper_bubble_fraction(name: str, num_stages: int, num_microbatches: int,
-                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
-                          num_chunks: int = 1) -> float:
-  """The bubble share by the formulas of Qi et al. 2023 (Table 1), idle time
-  (P - 1)(F + B + W) for 1F1B and GPipe (over V for interleaved),
-  (P - 1)(F + B - W) for ZB-H1 and (P - 1)(F + B - 2W), at least 0, for ZB-H2,
-  against M (F + B + W) of work per stage."""
-  f, b, w = costs
-  idle = {"zb_h1": f + b - w, "zb_h2": max(f + b - 2 * w, 0.0)}.get(name, (f + b + w) / num_chunks)
-  idle *= num_stages - 1
-  return idle / (num_microbatches * (f + b + w) + idle)
-
-
-def timeline(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)
-             ) -> tuple[np.ndarray, np.ndarray]:
-  """Start and end time of every op, [ticks, stages], with F, B, W costing
-  `costs` (a whole stage's layers; a chunk costs 1/V): each stage runs its ops
-  in table order, each as soon as the stage is free and its inputs are done
-  (no lock step). Idle cells are NaN."""
-  cost = np.array([0.0, *costs]) / schedule.num_chunks
-  start = np.full(schedule.op.shape, np.nan)
-  end = np.full(schedule.op.shape, np.nan)
-  finished: dict[tuple[int, int, int], float] = {}
-  free = [0.0] * schedule.num_stages
-  last = schedule.num_stages * schedule.num_chunks - 1
-  for tick in range(schedule.num_ticks):
-    for stage in range(schedule.num_stages):
-      kind = int(schedule.op[tick, stage])
-      if kind == IDLE:
-        continue
-      mb, c = int(schedule.mb[tick, stage]), int(schedule.chunk[tick, stage]) * schedule.num_stages + stage
-      needs = {F: [(F, mb, c - 1)] if c > 0 else [],
-               B: [(F, mb, c)] + ([(B, mb, c + 1)] if c < last else []),
-               W: [(B, mb, c)]}[kind]
-      start[tick, stage] = max([free[stage]] + [finished[n] for n in needs])
-      end[tick, stage] = free[stage] = start[tick, stage] + cost[kind]
-      finished[kind, mb, c] = end[tick, stage]
-  return start, end
-
-
-def bubble_fraction(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
-  """Share of stage-time spent idle on the `timeline`: 1 - busy / (P * makespan)."""
-  start, end = timeline(schedule, costs)
-  busy = np.nansum(end - start)
-  return float(1.0 - busy / (schedule.num_stages * np.nanmax(end)))
-
-
-def peak_in_flight(schedule: Schedule) -> list[int]:
-  """Per stage, the most microbatch-chunks whose activations it holds for
-  their B (forwarded, input gradient not yet computed), Megatron's count:
-  GPipe M; 1F1B and ZB-H1 min(M, P - s)."""
-  return _peak_between(schedule, F, B if schedule.has_backward else F)
-
-
-def peak_awaiting_w(schedule: Schedule) -> list[int]:
-  """Per stage, the most microbatch-chunks forwarded whose W has not run:
-  the residual slots (W frees them)."""
-  return _peak_between(schedule, F, W if schedule.has_backward else F)
-
-
-def _peak_between(schedule: Schedule, opens: int, closes: int) -> list[int]:
-  """Most values opened and not yet closed, counted after each tick's op (a
-  closing op still holds its value while it runs)."""
-  held = (np.cumsum(schedule.op == opens, axis=0) - np.cumsum(schedule.op == closes, axis=0)
-          + (schedule.op == closes))
-  return [int(n) for n in held.max(axis=0)] if schedule.num_ticks else [0] * schedule.num_stages
-
-
-def to_text(schedule: Schedule) -> str:
-  """Rows are stages, columns ticks; cells F3, B1, W1, or F3.1 (mb.chunk)."""
-  ticks = range(schedule.num_ticks)
-  cells = [[_cell(schedule, tick, stage) for tick in ticks] for stage in range(schedule.num_stages)]
-  width = max(len(cell) for row in cells for cell in row)
-  header = " " * 4 + " ".join(f"{tick:<{width}}" for tick in ticks)
-  rows = [f"s{stage:<3}" + " ".join(f"{cell:<{width}}" for cell in row)
-          for stage, row in enumerate(cells)]
-  return "\n".join(line.rstrip() for line in [header, *rows])
-
-
-def _cell(schedule: Schedule, tick: int, stage: int) -> str:
-  kind = int(schedule.op[tick, stage])
-  if kind == IDLE:
-    return "."
-  v = schedule.chunk[tick, stage]
-  return f"{OP_LETTERS[kind]}{schedule.mb[tick, stage]}" + (f".{v}" if schedule.num_chunks > 1 else "")
-
-
-def describe(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
-  """A JSON-ready summary of the schedule and its cost."""
-  p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
-  return {
-      "name": schedule.name,
-      "stages": p,
-      "microbatches": m,
-      "virtual_stages": v,
-      "ticks": schedule.num_ticks,
-      "costs": {"F": costs[0], "B": costs[1], "W": costs[2]},
-      "bubble_fraction": bubble_fraction(schedule, costs),
-      "paper_bubble_fraction": paper_bubble_fraction(schedule.name, p, m, costs, v),
-      "ideal_bubble_fraction": ideal_bubble_fraction(p, m, v),
-      "tick_bubble_fraction": float((schedule.op == IDLE).mean()),
-      "peak_in_flight": peak_in_flight(schedule),
-      "peak_awaiting_w": peak_awaiting_w(schedule),
-      "slots": {buffer: schedule.slots_per_stage(buffer) for buffer in BUFFERS},
-  }

@@ -23,12 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
-# Call-like primitives whose bodies are inlined, so that the cut can go
-# through them (a jitted einsum's transpose computes dx and dw in one call).
-_INLINED = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
+from meshtrain import jax_internals as core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +38,9 @@ class SplitVjp:
 
 
 def _inline(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-  """The same computation with the call-like primitives' bodies inlined."""
+  """The same computation with the call-like primitives' bodies inlined, so
+  that the cut can go through them (a jitted einsum's transpose computes dx
+  and dw in one call)."""
   def run(jaxpr: core.Jaxpr, consts: Sequence[Any], *args: Any) -> list[Any]:
     env: dict[core.Var, Any] = {}
     read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
@@ -50,18 +48,15 @@ def _inline(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
       values = [read(v) for v in eqn.invars]
+      inner = core.call_body(eqn)
       if eqn.primitive.name == "optimization_barrier":  # remat's; B and W are apart anyway
         outs = values
-      elif eqn.primitive.name in _INLINED:
-        inner = eqn.params["jaxpr"]
-        if isinstance(inner, core.ClosedJaxpr):
-          outs = run(inner.jaxpr, inner.consts, *values)
-        else:
-          outs = run(inner, (), *values)
+      elif isinstance(inner, core.ClosedJaxpr):
+        outs = run(inner.jaxpr, inner.consts, *values)
+      elif inner is not None:
+        outs = run(inner, (), *values)
       else:
-        with eqn.ctx.manager:
-          outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-        outs = outs if eqn.primitive.multiple_results else [outs]
+        outs = core.replay(eqn, values)
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -77,12 +72,6 @@ def _depends_on(jaxpr: core.Jaxpr, sources: Sequence[bool]) -> list[bool]:
     if any(isinstance(v, core.Var) and v in tainted for v in eqn.invars):
       tainted.update(eqn.outvars)
   return [isinstance(v, core.Var) and v in tainted for v in jaxpr.outvars]
-
-
-def _sub_jaxpr(jaxpr: core.Jaxpr, invars, outvars, eqns) -> core.Jaxpr:
-  debug_info = jaxpr.debug_info._replace(arg_names=None, result_paths=None)
-  return core.Jaxpr(jaxpr.constvars, list(invars), list(outvars), list(eqns),
-                    jaxpr.effects, debug_info)
 
 
 def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
@@ -110,8 +99,7 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   from_x = _depends_on(fwd_jaxpr, [False] * n_params + [True] + [False] * n_aux)
   stashed = from_x[1:]
   y_aval = fwd_jaxpr.outvars[0].aval
-  recompute_jaxpr, recompute_inputs = pe.dce_jaxpr(
-      fwd_jaxpr, [False] + [not s for s in stashed], instantiate=True)
+  recompute_jaxpr, recompute_inputs = core.dce(fwd_jaxpr, [False] + [not s for s in stashed])
   recompute = core.jaxpr_as_fun(core.ClosedJaxpr(recompute_jaxpr, fwd.consts))
 
   residual_avals = [v.aval for v in fwd_jaxpr.outvars[1:]]
@@ -122,8 +110,8 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   *residual_vars, dy_var = bwd_jaxpr.invars
   # Outputs are [dparams..., dx]: B keeps what dx needs; W runs the rest of
   # what dparams needs, reading the values B made (and dy) from the cut.
-  b_jaxpr, _ = pe.dce_jaxpr(bwd_jaxpr, [False] * n_params + [True], instantiate=True)
-  w_all, _ = pe.dce_jaxpr(bwd_jaxpr, [True] * n_params + [False], instantiate=True)
+  b_jaxpr, _ = core.dce(bwd_jaxpr, [False] * n_params + [True])
+  w_all, _ = core.dce(bwd_jaxpr, [True] * n_params + [False])
   in_b = {id(e) for e in b_jaxpr.eqns}
   w_eqns = [e for e in w_all.eqns if id(e) not in in_b]
   defined_by_b = {v for e in b_jaxpr.eqns for v in e.outvars} | {dy_var}
@@ -132,17 +120,17 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   cut = list(dict.fromkeys(v for v in needed if isinstance(v, core.Var)
                            and v in defined_by_b and v not in defined_by_w))
   b_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
-      _sub_jaxpr(bwd_jaxpr, bwd_jaxpr.invars, [*b_jaxpr.outvars, *cut], b_jaxpr.eqns),
+      core.rebuilt(bwd_jaxpr, bwd_jaxpr.invars, [*b_jaxpr.outvars, *cut], b_jaxpr.eqns),
       bwd.consts))
   w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
-      _sub_jaxpr(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
+      core.rebuilt(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
   x_aval = fwd_jaxpr.invars[n_params].aval
 
   def residuals(params, aux, stash):
     """The vjp's residuals: stashed ones and ones recomputed from params, aux."""
     # x is an input the recomputation never reads (dce keeps it in place).
     x_unused = jax.numpy.zeros(x_aval.shape, x_aval.dtype)
-    varying = tuple(x_aval.manual_axis_type.varying)
+    varying = core.varying_axes(x_aval)
     if varying:
       x_unused = jax.lax.pcast(x_unused, varying, to="varying")
     args = [*jax.tree.leaves(params), x_unused, *jax.tree.leaves(aux)]

@@ -18,6 +18,24 @@ from meshtrain.errors import ConfigError
 IMPLEMENTATIONS = ("xla", "cudnn")
 
 
+def implementation_for(requested: str, compute_dtype: str, head_dim: int, device: jax.Device,
+                       packed: bool = False) -> str:
+  """What `attention.implementation=""` (the best available) means on `device`.
+
+  XLA's attention stores the [batch, heads, length, length] probabilities for
+  the backward. cuDNN's flash attention stores none and is the faster kernel,
+  where it runs: NVIDIA GPUs, 16-bit activations, a head_dim that is a
+  multiple of 8 up to 128, and no packed documents (`packed`: jax 0.10 gives
+  it no segment ids).
+  """
+  if requested:
+    return requested
+  flash = (device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
+           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
+           and not packed)
+  return "cudnn" if flash else "xla"
+
+
 def causal_mask(q_index_T: jax.Array, k_index_S: jax.Array, q_segment_BxT: jax.Array | None = None,
                 k_segment_BxS: jax.Array | None = None) -> jax.Array:
   """[B or 1, T, S]: query t sees key s when s comes no later (by index in the

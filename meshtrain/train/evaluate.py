@@ -44,6 +44,7 @@ class Evaluator:
     self._batches = [to_global(next(batches), sharding, batch_shape)
                      for _ in range(cfg.eval.batches)]
     self._setup = setup
+    self.every_steps, self.last_step = cfg.eval.every_steps, cfg.steps
     self.traces = 0  # how often the loss was traced (compiled): once per run
     param_shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
     dtype = jnp.dtype(cfg.param_dtype)
@@ -56,6 +57,10 @@ class Evaluator:
 
     self._jitted = jax.jit(mean_loss, in_shardings=(setup.shardings.params,
                                                     setup.train_step.batch_sharding))
+
+  def due(self, step: int) -> bool:
+    """Whether the run evaluates after `step`: every `eval.every_steps` and at the last step."""
+    return bool(self.every_steps) and (step % self.every_steps == 0 or step == self.last_step)
 
   def __call__(self, params) -> dict[str, float]:
     with jax.set_mesh(self._setup.mesh), nnx.logical_axis_rules(self._setup.rules.params):
@@ -90,11 +95,6 @@ def evaluator_for(cfg, setup: Setup) -> Evaluator | None:
     raise ConfigError("config.eval.every_steps", f"is {cfg.eval.every_steps}; use 0 (no "
                       "evaluation) or the steps between evaluations")
   return Evaluator(cfg, setup) if cfg.eval.every_steps else None
-
-
-def due(cfg, step: int) -> bool:
-  """Whether the run evaluates after `step`: every `eval.every_steps` and at the last step."""
-  return bool(cfg.eval.every_steps) and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
 
 
 def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:

@@ -1,0 +1,96 @@
+"""The strategies that rewrite the model's program, applied where the model
+leaves room for them, as torchtitan's `parallelize` applies them to a model.
+
+Most strategies are rules tables (`meshtrain.rules`) and need nothing here.
+The others fill the model's `Slots` and order its batch:
+  - context parallelism (`sequence` > 1): the attention slot gets
+    `sequence.sequence_attention` with the configured strategy; under `ring`
+    the batch comes in the ring's zigzag token order (`batch_order`), so the
+    layers run in that order throughout;
+  - weight offload (`offload.params`): the layer-weights slot brings each
+    layer's weights from the host as the layer runs;
+  - otherwise the attention slot gets the local kernel the device runs best.
+"""
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain.models.llama import Llama, LlamaConfig, Slots, default_positions
+from meshtrain.parallel import attention, offload, sequence
+from meshtrain.train.state import ModelSpec, nnx_spec
+
+Batch = dict[str, jax.Array]
+
+
+def model_config(cfg) -> LlamaConfig:
+  """The model's own settings (its shape, precision and recomputation)."""
+  return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+
+
+def attention_kernel(cfg) -> str:
+  """`config.attention.implementation` resolved on this machine's first device."""
+  return attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
+                                      cfg.model.head_dim, jax.devices()[0],
+                                      packed=cfg.data.packing == "segments")
+
+
+def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
+  """The model's slots for `cfg` on `mesh` (`implementation` overrides the
+  local attention kernel, as a plan traced on a CPU does)."""
+  if mesh.shape["sequence"] > 1:
+    strategy = cfg.attention.sequence_strategy
+    attend = functools.partial(sequence.sequence_attention, strategy=strategy,
+                               zigzag=strategy == "ring")
+  else:
+    attend = functools.partial(attention.causal_attention,
+                               implementation=implementation or attention_kernel(cfg))
+  if not cfg.offload.params:
+    return Slots(attention=attend)
+  return Slots(attention=attend, layer_weights=functools.partial(
+      offload.fetch, working_dtype=jnp.dtype(cfg.param_dtype)))
+
+
+def llama_spec(model_cfg: LlamaConfig, model_slots: Slots = Slots(), seed: int = 0) -> ModelSpec:
+  return nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed), slots=model_slots))
+
+
+def model_spec(cfg, mesh: Mesh) -> ModelSpec:
+  """The Llama of `cfg` with its slots filled for `mesh`."""
+  return llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed)
+
+
+def _as_it_comes(batch: Batch) -> Batch:
+  return batch
+
+
+def batch_order(cfg) -> Callable[[Batch], Batch]:
+  """How the loss orders the tokens of a batch before the model sees them: as
+  they come, or under `ring` in the ring's zigzag order
+  (docs/context_parallel.md)."""
+  return ring_order if cfg.attention.sequence_strategy == "ring" else _as_it_comes
+
+
+def ring_order(batch: Batch) -> Batch:
+  """Every [batch, length] array of `batch` in `sequence.zigzag_order` for the
+  mesh in context, with each token's rotary position (computed before the
+  reordering, inside its document when packed) beside it. Where the mesh
+  does not split the length (one device, as the reference runs), the batch
+  as it is."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.shape.get("sequence", 1) == 1:
+    return batch
+  inputs_BxL = batch["inputs"]
+  reordered = {key: sequence.to_zigzag(x, mesh) for key, x in batch.items()}
+  if "positions" in batch:
+    return reordered
+  if "segment_ids" in batch:
+    positions_BxL = default_positions(inputs_BxL, batch["segment_ids"])
+    return {**reordered, "positions": sequence.to_zigzag(positions_BxL, mesh)}
+  # Each token keeps its index as position, wherever it sits: known without moving data.
+  order_L = sequence.zigzag_order(inputs_BxL.shape[1], mesh.shape["sequence"])
+  return {**reordered, "positions": jnp.broadcast_to(jnp.asarray(order_L), inputs_BxL.shape)}
