@@ -9,8 +9,9 @@ one sequence per device and microbatch. Per schedule:
     measured share of idle ticks of the table the executor runs;
   - in flight per stage (microbatch-chunks awaiting B; Megatron's count);
   - compiled matmul FLOPs of the train step over the unpipelined step's
-    (`analysis.compiled_flops`: loop bodies times trips, the tick switch
-    weighted by the table), both on 8 devices, remat=none;
+    (`analysis.compiled_flops`: loop bodies times trips, each tick's
+    conditionals weighted by the table, `runtime.cond_weights`), both on 8
+    devices, remat=none;
   - compiled temp MiB per device.
 Writes docs/pipeline.md's table and the Gantt charts of P=4, M=8.
 """
@@ -58,7 +59,7 @@ def measure(name, virtual, p, m):
                                                 virtual_stages=virtual))
   compiled = compile_step(build(cfg))
   table = schedules.build(name, p, m, virtual)
-  weights = {len(runtime.BRANCHES): runtime.branch_weights(table)}
+  weights = runtime.cond_weights(table)
   return compiled_flops.dot_flops(compiled, weights), hlo.memory_bytes(compiled)["temp"] / 2**20
 
 

@@ -3,16 +3,15 @@
 The model is plain flax NNX (nnx.Embed, nnx.MultiHeadAttention, nnx.Linear,
 nnx.LayerNorm) with no logical names. meshtrain names its weights by path
 (`meshtrain.FLAX_TRANSFORMER`), places them for `fsdp` x `tensor`, and trains
-it on real text, byte-level.
+it on real text, byte-level: any UTF-8 text file.
 
-  python examples/flax_model.py      # 8 simulated CPU devices: fsdp=4 x tensor=2
+  python examples/flax_model.py TEXT_FILE   # 8 simulated CPU devices: fsdp=4 x tensor=2
 """
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -20,9 +19,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshtrain  # noqa: E402
-
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-
 
 # ---- the user's model, as the Flax docs would write it ----------------------
 
@@ -66,8 +62,10 @@ def loss_fn(model: TinyLM, batch) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def text_batches(batch: int = 16, length: int = 64, seed: int = 0):
-  data = np.frombuffer(TEXT.read_bytes(), np.uint8).astype(np.int32)
+def text_batches(path: str, batch: int = 16, length: int = 64, seed: int = 0):
+  """Random windows of the file's bytes (tokens 0-255) and their next bytes."""
+  with open(path, "rb") as file:
+    data = np.frombuffer(file.read(), np.uint8).astype(np.int32)
   rng = np.random.default_rng(seed)
   while True:
     starts = rng.integers(0, len(data) - length - 1, batch)
@@ -77,15 +75,15 @@ def text_batches(batch: int = 16, length: int = 64, seed: int = 0):
 
 # ---- meshtrain: rules, sharded init, compiled step ---------------------------
 
-def main(steps: int = 20):
-  """Trains `steps` steps; returns the losses and the final state."""
+def main(text_path: str, steps: int = 20):
+  """Trains `steps` steps on the text in `text_path`; returns the losses and the final state."""
   mesh = meshtrain.make_mesh({"fsdp": 4, "tensor": 2})
   trainer = meshtrain.Trainer.for_nnx(new_model, loss_fn, optax.adamw(3e-3), mesh,
                                       patterns=meshtrain.FLAX_TRANSFORMER)
   print(trainer.placement_table())
   state = trainer.init()
   losses = []
-  for step, batch in zip(range(1, steps + 1), text_batches()):
+  for step, batch in zip(range(1, steps + 1), text_batches(text_path)):
     state, metrics = trainer.step(state, trainer.place(batch))
     losses.append(float(metrics["loss"]))
     print(f"step {step}: loss {losses[-1]:.4f}")
@@ -93,4 +91,6 @@ def main(steps: int = 20):
 
 
 if __name__ == "__main__":
-  main()
+  if len(sys.argv) != 2:
+    sys.exit("usage: python examples/flax_model.py TEXT_FILE  (any UTF-8 text file)")
+  main(sys.argv[1])

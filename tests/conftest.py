@@ -1,7 +1,17 @@
-"""Every test runs on 8 simulated CPU devices (set before jax touches a device)."""
+"""Every test runs on 8 simulated CPU devices (set before jax touches a device).
 
+Two tiers: `pytest -m "not slow"` runs every strategy and feature once;
+`pytest` runs everything (the `slow` marker: subprocesses, notebooks, many
+compiles, more cases of a strategy family). The run's programs go into one
+persistent compilation cache, which the CLI subprocesses and notebook kernels
+it starts share through the environment.
+"""
+
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -9,13 +19,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            # LLVM at -O0: compiles 2-3x faster; tests time no kernels
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one cache per run, removed after it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 sys.path.insert(0, str(REPO / "tests"))
+
+import corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,11 +39,23 @@ def eight_devices():
   assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
 
 
+@pytest.fixture(scope="session")
+def real_text(tmp_path_factory) -> Path:
+  """About 1.1 MB of real English text (`corpus`), on any machine."""
+  return corpus.real_text(tmp_path_factory.mktemp("text"))
+
+
 # A model small enough to compile and run in about a second on 2 cores.
 MICRO = {"model.vocab_size": 64, "model.embed_dim": 32, "model.num_layers": 2,
          "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 8, "model.mlp_dim": 64,
          "seq_len": 16, "global_batch": 16, "steps": 5, "log_every": 1,
          "optimizer.warmup_steps": 2}
+
+
+def tiered(cases, quick):
+  """`cases` (ids) as parametrize values, all but the `quick` ones marked slow."""
+  return [pytest.param(case, id=str(case), marks=() if case in quick else pytest.mark.slow)
+          for case in cases]
 
 
 def micro_config(**changes):

@@ -2,10 +2,29 @@
 unsharded, one device, plain `jax.jit`, the same optax optimizer, a train step
 written here and not shared with meshtrain's."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
 from flax import nnx
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "apply", "optimizer"))
+def _step(params, opt_state, batch, *, graphdef, apply, optimizer):
+  """One plain step: loss, gradients, update (compiled once per model and optimizer)."""
+  def loss_fn(p):
+    packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+    logits = (apply(p, batch["inputs"]) if apply
+              else nnx.merge(graphdef, p)(batch["inputs"], **packed))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    if "segment_ids" not in batch:
+      return losses.mean()
+    counted = batch["segment_ids"] != 0  # packed documents: padding's targets do not count
+    return (losses * counted).sum() / counted.sum()
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
 
 
 def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=None):
@@ -16,25 +35,10 @@ def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=No
   params = jax.device_put(jax.device_get(params), device)
   goes_on = opt_state is not None
   opt_state = jax.device_put(opt_state if goes_on else jax.jit(optimizer.init)(params), device)
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    def loss_fn(p):
-      packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
-      logits = (apply(p, batch["inputs"]) if apply
-                else nnx.merge(graphdef, p)(batch["inputs"], **packed))
-      losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-      if "segment_ids" not in batch:
-        return losses.mean()
-      counted = batch["segment_ids"] != 0  # packed documents: padding's targets do not count
-      return (losses * counted).sum() / counted.sum()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
   losses = []
   for batch in batches:
-    params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
+    params, opt_state, loss = _step(params, opt_state, jax.device_put(batch, device),
+                                    graphdef=graphdef, apply=apply, optimizer=optimizer)
     losses.append(float(loss))
   if goes_on:
     return np.array(losses), jax.device_get(params), opt_state

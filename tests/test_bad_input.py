@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, SHAKESPEARE, micro_config, micro_flags
+from conftest import REPO, micro_config, micro_flags
 from meshtrain import cli
 from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
@@ -82,7 +82,7 @@ CASES = [
      "config.distributed.coordinator_address"),
     ("train", ["--config.workdir="], "config.workdir"),
     # a key that another key's value makes do nothing
-    ("train", [f"--config.data.path={SHAKESPEARE}"], "config.data.path"),
+    ("train", ["--config.data.path={text}"], "config.data.path"),
     ("train", ["--config.data.path=no/such/file.txt"], "config.data.path"),
     ("train", ["--config.attention.sequence_strategy=ring"], "config.attention.sequence_strategy"),
     ("train", ["--config.tensor_sequence_parallel=true"], "config.tensor_sequence_parallel"),
@@ -129,7 +129,7 @@ CASES = [
     ("train", ["--config.workdir={run}", "--config.seq_len=32"], "config.workdir"),
     ("train", ["--config.workdir={run}", "--config.model.num_layers=4"], "config.workdir"),
     ("train", ["--config.workdir={run}", "--config.data.source=text",
-               f"--config.data.path={SHAKESPEARE}", "--config.model.vocab_size=256"],
+               "--config.data.path={text}", "--config.model.vocab_size=256"],
      "config.workdir"),
     # the other commands
     ("plan", ["--devices=0"], "--devices"),
@@ -206,7 +206,8 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
   run = tmp_path / "run"
   if any("{run}" in arg for arg in args):
     shutil.copytree(request.getfixturevalue("trained_run"), run)
-  args = [arg.format(tmp=tmp_path, run=run) for arg in args]
+  text = request.getfixturevalue("real_text") if any("{text}" in a for a in args) else None
+  args = [arg.format(tmp=tmp_path, run=run, text=text) for arg in args]
   config_file = [arg for arg in args if arg.startswith("--config=")]
   rest = [arg for arg in args if arg not in config_file]
   if command in ("train", "plan"):

@@ -65,10 +65,11 @@ def test_resume_gives_the_same_losses_bit_for_bit(straight, tmp_path):
 
 
 @pytest.mark.parametrize("mesh, extra", [
-    ({"tensor": 2, "fsdp": 4}, {}),
-    ({"data": 8, "fsdp": 1}, {"zero_stage": 1}),
-    ({"pipeline": 2, "data": 4, "fsdp": 1}, {}),
-], ids=["tensor2_fsdp4", "data8_zero1", "pipeline2_data4"])
+    pytest.param({"tensor": 2, "fsdp": 4}, {}, id="tensor2_fsdp4"),
+    pytest.param({"data": 8, "fsdp": 1}, {"zero_stage": 1}, id="data8_zero1", marks=pytest.mark.slow),
+    pytest.param({"pipeline": 2, "data": 4, "fsdp": 1}, {}, id="pipeline2_data4",
+                 marks=pytest.mark.slow),
+])
 def test_restore_onto_another_mesh_and_strategy(straight, tmp_path, mesh, extra):
   expected, checkpoints = straight
   cfg = run_config(tmp_path, **mesh)
@@ -183,6 +184,7 @@ def logged_steps(workdir):
   return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_the_rerun_continues_exactly(tmp_path, cli_reference):
   workdir = tmp_path / "run"
   process = start_cli(workdir, "--config.checkpoint.every_steps=0")
@@ -201,6 +203,7 @@ def test_sigterm_saves_exits_zero_and_the_rerun_continues_exactly(tmp_path, cli_
   assert metrics_file_losses(workdir) == cli_reference
 
 
+@pytest.mark.slow
 def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path,
                                                                              cli_reference):
   workdir = tmp_path / "run"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHAKESPEARE
+from conftest import REPO
 
 MICRO = ["--config.model.embed_dim=32", "--config.model.num_layers=2", "--config.model.mlp_dim=64",
          "--config.model.head_dim=8", "--config.seq_len=16", "--config.global_batch=16"]
@@ -19,6 +19,7 @@ def meshtrain(*args, tmp_path):
       capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_on_eight_simulated_devices(tmp_path):
   result = meshtrain("--config.simulate_devices=8", "--config.mesh.data=8", "--config.steps=4",
                      "--config.log_every=2", "--config.peak_flops=1e12", tmp_path=tmp_path)
@@ -32,6 +33,7 @@ def test_train_writes_metrics_on_eight_simulated_devices(tmp_path):
   assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, key", [
     (["--config.simulate_devices=8", "--config.mesh.data=4"], "config.mesh"),
     (["--config.simulate_devices=8", "--config.mesh.data=8", "--config.global_batch=12"],
@@ -46,8 +48,9 @@ def test_bad_input_is_one_readable_line_and_a_nonzero_exit(args, key, tmp_path):
   assert not (tmp_path / "run").exists()  # nothing written
 
 
-def test_text_data_trains_from_the_shared_file(tmp_path):
-  result = meshtrain("--config.data.source=text", f"--config.data.path={SHAKESPEARE}",
+@pytest.mark.slow
+def test_text_data_trains_from_a_text_file(tmp_path, real_text):
+  result = meshtrain("--config.data.source=text", f"--config.data.path={real_text}",
                      "--config.model.vocab_size=256", "--config.steps=3", tmp_path=tmp_path)
   assert result.returncode == 0, result.stderr
 

@@ -12,9 +12,6 @@ from meshtrain.data import STRIDES, make_iterator, synthetic_loss_floor
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
 
-SHAKESPEARE = (
-    Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
-)
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
 VOCAB_SIZE = 256
@@ -31,10 +28,10 @@ def data_config(
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-  """The play's paragraphs as documents, byte tokens (EOS 0), 10% held out."""
-  out = tmp_path_factory.mktemp("prepared") / "shakespeare"
-  prepare([str(SHAKESPEARE)], "bytes", str(out), split_blank_lines=True, val_fraction=0.1)
+def corpus(tmp_path_factory, real_text) -> Path:
+  """The text's paragraphs as documents, byte tokens (EOS 0), 10% held out."""
+  out = tmp_path_factory.mktemp("prepared") / "text"
+  prepare([str(real_text)], "bytes", str(out), split_blank_lines=True, val_fraction=0.1)
   return out
 
 
@@ -42,7 +39,7 @@ def corpus(tmp_path_factory) -> Path:
 def cfg(request) -> ml_collections.ConfigDict:
   if request.param == "tokens":
     return data_config("tokens", request.getfixturevalue("corpus"))
-  return data_config(request.param, SHAKESPEARE)
+  return data_config(request.param, request.getfixturevalue("real_text"))
 
 
 def iterator(
@@ -96,9 +93,9 @@ def test_targets_are_inputs_shifted_by_one(cfg):
     )
 
 
-def test_text_tokens_decode_to_substrings_of_the_file():
-  text = SHAKESPEARE.read_bytes()
-  for batch in draw(iterator(data_config("text", SHAKESPEARE)), 2):
+def test_text_tokens_decode_to_substrings_of_the_file(real_text):
+  text = real_text.read_bytes()
+  for batch in draw(iterator(data_config("text", real_text)), 2):
     for window in windows_of(batch):
       assert bytes(window.astype(np.uint8)) in text
 

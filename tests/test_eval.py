@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import REPO, SHAKESPEARE, micro_config, micro_flags
+from conftest import REPO, micro_config, micro_flags
 from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
@@ -23,9 +23,9 @@ from meshtrain.workdir import load_config
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  out = tmp_path_factory.mktemp("prepared") / "shakespeare"
-  prepare([str(SHAKESPEARE)], "bytes", str(out), split_blank_lines=True, val_fraction=0.1)
+def corpus(tmp_path_factory, real_text):
+  out = tmp_path_factory.mktemp("prepared") / "text"
+  prepare([str(real_text)], "bytes", str(out), split_blank_lines=True, val_fraction=0.1)
   return out
 
 
@@ -105,16 +105,17 @@ def test_the_loop_evaluates_every_n_steps_and_at_the_last_and_resumes_exactly(co
     assert [r.get(key) for r in resumed] == [r.get(key) for r in records if r["step"] > 2]
 
 
-def test_eval_refuses_what_it_cannot_do(corpus):
+def test_eval_refuses_what_it_cannot_do(corpus, real_text):
   with pytest.raises(ConfigError, match="config.eval.every_steps"):
     evaluator_for(eval_config(corpus, **{"eval.every_steps": -1}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="config.eval.batches"):
     Evaluator(eval_config(corpus, **{"eval.batches": 0}), build(eval_config(corpus)))
   with pytest.raises(ConfigError, match="no validation split"):
-    Evaluator(micro_config(**{"data.source": "text", "data.path": str(SHAKESPEARE),
+    Evaluator(micro_config(**{"data.source": "text", "data.path": str(real_text),
                               "model.vocab_size": 256}), build(eval_config(corpus)))
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_missing_step_on_one_line(corpus, tmp_path):
   (tmp_path / "checkpoints/3").mkdir(parents=True)
   (tmp_path / "config.json").write_text(json.dumps(eval_config(corpus).to_dict()))
@@ -126,6 +127,7 @@ def test_cli_refuses_a_missing_step_on_one_line(corpus, tmp_path):
   assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_two_processes_of_four_devices_read_and_evaluate_like_one_of_eight(corpus, tmp_path):
   """The prepared corpus's batches (packed with segments), split by process rows,
   give the losses and evaluations of one process."""

@@ -2,6 +2,7 @@
 private mount namespace with `unshare -rm`, no root needed) read-only, then full
 during a save, then given room again; a metrics line cut short by a kill."""
 
+import pytest
 import json
 import shlex
 import subprocess
@@ -14,6 +15,7 @@ FLAGS = micro_flags(steps=6, **{"checkpoint.every_steps": 1, "checkpoint.keep": 
                                 "simulate_devices": 1, "mesh.data": 1})
 
 
+@pytest.mark.slow
 def test_read_only_and_full_disk_are_one_line_and_the_last_checkpoint_resumes(tmp_path):
   disk, out = tmp_path / "disk", tmp_path / "out"
   disk.mkdir()
@@ -56,6 +58,7 @@ def test_read_only_and_full_disk_are_one_line_and_the_last_checkpoint_resumes(tm
   assert read["again.ls"].split() == [str(step) for step in range(1, 7)]  # leftover removed
 
 
+@pytest.mark.slow
 def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_a_resume(tmp_path):
   records = [json.dumps({"step": step, "loss": 1.0 / step}) for step in (1, 2, 3)]
   (tmp_path / "metrics.jsonl").write_text("\n".join(records) + '\n{"step": 4, "lo')

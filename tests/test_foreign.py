@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import meshtrain
-from conftest import MICRO, REPO, micro_config
+from conftest import MICRO, REPO, micro_config, tiered
 from meshtrain.analysis import selfcheck
 from meshtrain.errors import ConfigError
 from reference import random_batches
@@ -264,7 +264,7 @@ def family_trainer(family: str, mesh, **options) -> meshtrain.Trainer:
 FAMILIES = ("linen automatic names", "gemma nnx", "transformers flax")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES, ("transformers flax",)))
 def test_flax_transformer_patterns_cover_a_public_family(family):
   # strict: every name known, no more than 10% of the bytes whole on fsdp or tensor.
   trainer = family_trainer(family, mesh_of(fsdp=4, tensor=2), strict=True)
@@ -288,6 +288,7 @@ def test_patterns_name_the_family_layouts():
 
 # ---- verify (problem 6) ------------------------------------------------------
 
+@pytest.mark.slow
 def test_verify_flags_the_relu_case_and_its_float64_rerun_explains_it():
   """The issue's ReLU case (docs/partitioner_issues.md): on this batch an MLP
   pre-activation lies within an ulp of zero and fsdp=8's reordered float32
@@ -314,6 +315,7 @@ def run_repro(name: str) -> str:
   return result.stdout
 
 
+@pytest.mark.slow
 def test_the_relu_reproduction_shows_a_flip_that_float64_removes():
   lines = run_repro("relu_kink").splitlines()
   worst = {line.split(":")[0]: float(re.search(r"worst (?:gradient difference )?([0-9.e+-]+)",
@@ -353,6 +355,7 @@ class KeyProjectionLM(nn.Module):
     return causal_attention(q, k, v).reshape(*x.shape[:2], HEADS * HEAD_DIM) @ w["head"]
 
 
+@pytest.mark.slow
 def test_verify_flags_a_miscompiled_layout_that_meshtrain_never_builds():
   """Pinned inside the model, the layout is miscompiled where jax has the bug
   (docs/repro/reversed_axes.py tells): verify names the key projection's
@@ -378,6 +381,7 @@ def test_verify_flags_a_miscompiled_layout_that_meshtrain_never_builds():
   assert weights["wk"] == str(P(("pipeline", "tensor"), None, "data"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["megatron_3d"])  # pipeline, tensor + SP, ZeRO-1, data
 def test_meshtrain_verify_passes_llama_on_strategy_presets(preset, tmp_path):
   result = subprocess.run(
@@ -390,6 +394,7 @@ def test_meshtrain_verify_passes_llama_on_strategy_presets(preset, tmp_path):
   assert worst <= 1e-5
 
 
+@pytest.mark.slow
 def test_verify_checks_a_bfloat16_config_in_float32():
   """Weights, activations and gradients of a bfloat16 config are float32 in
   both runs: bfloat16 gradients alone differ from float32 by ~1e-3."""

@@ -96,6 +96,7 @@ def meshtrain_generate(*args, cwd):
                         capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_generate_command_prints_json_per_prompt_and_refuses_a_missing_workdir(tmp_path):
   save_hf_llama(tmp_path / "hf", **CASES["untied_gqa"])
   import_hf(micro_config(), tmp_path / "hf", tmp_path / "run")

@@ -1,5 +1,6 @@
 """bench/gpu.py on the CPU: the harness a GPU session runs must work before it gets there."""
 
+import pytest
 import argparse
 import importlib.util
 import math
@@ -25,6 +26,7 @@ def test_one_setting_counts_the_model_flops_of_the_palm_formula():
   assert abs(row["loss"] - math.log(256)) < 1.0  # random tokens, barely trained
 
 
+@pytest.mark.slow
 def test_a_failing_or_slow_setting_becomes_a_row_not_a_crash():
   args = argparse.Namespace(model="tiny", batch=2, seq=32, steps=1, warmup=0, timeout=120)
   failed = gpu.measure(args, "none-cudnn")  # no cuDNN on a CPU

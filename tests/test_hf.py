@@ -261,6 +261,7 @@ def meshtrain(command, *args, cwd):
                         capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_import_and_export_commands(good_hf_dir, tmp_path):
   """Import on two processes of four devices (each reads only its devices'
   blocks), export from one: the tensors come back bit for bit."""

@@ -71,12 +71,16 @@ def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_st
   return losses, shared
 
 
-@pytest.mark.parametrize("changes", [
+DILOCO_CASES = [
     {"mesh.fsdp": 2, "mesh.tensor": 2},
     *({"mesh.sequence": 2, "mesh.tensor": 2, "attention.sequence_strategy": strategy}
       for strategy in ("ring", "ulysses", "all_gather_kv")),
-    {"mesh.pipeline": 2, "mesh.tensor": 2, "pipeline.microbatches": 2, "grad_accum_steps": 2}],
-    ids=lambda c: " ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items()))
+    {"mesh.pipeline": 2, "mesh.tensor": 2, "pipeline.microbatches": 2, "grad_accum_steps": 2}]
+
+
+@pytest.mark.parametrize("changes", [
+    pytest.param(c, id=" ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items()),
+                 marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(DILOCO_CASES)])
 def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
   cfg = local_config(2, **{"mesh.data": 2, **changes})
   setup = build(cfg)
@@ -90,15 +94,15 @@ def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
                               atol=1e-3 * cfg.optimizer.learning_rate)
 
 
-@pytest.mark.parametrize("changes", [{"mesh.data": 8},
-                                     {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-                                     {"mesh.data": 2, "mesh.tensor": 4,
-                                      "tensor_sequence_parallel": True},
-                                     {"mesh.data": 4, "mesh.sequence": 2,
-                                      "attention.sequence_strategy": "ring"},
-                                     {"mesh.data": 4, "mesh.pipeline": 2,
-                                      "pipeline.microbatches": 2}],
-                         ids=["data=8", "fsdp+tensor", "tensor+sp", "sequence ring", "pipeline"])
+@pytest.mark.parametrize("changes", [
+    pytest.param({"mesh.data": 8}, id="data=8"),
+    pytest.param({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, id="fsdp+tensor",
+                 marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 2, "mesh.tensor": 4, "tensor_sequence_parallel": True},
+                 id="tensor+sp", marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 4, "mesh.sequence": 2, "attention.sequence_strategy": "ring"},
+                 id="sequence ring", marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 4, "mesh.pipeline": 2, "pipeline.microbatches": 2}, id="pipeline")])
 def test_inner_step_has_no_data_collective_and_sync_all_reduces_the_deltas_once(changes):
   setup = build(local_config(4, **changes))
   inner = hlo.collectives(compile_step(setup), setup.mesh)
@@ -126,6 +130,7 @@ def test_unsupported_settings_name_the_key(changes, key):
     build(local_config(4, **changes))
 
 
+@pytest.mark.slow
 def test_resume_mid_cycle_gives_the_same_losses_bit_for_bit(tmp_path):
   """Saved at step 3 of syncs every 2 steps: replicas apart and the outer
   momentum set; steps 4-6 (a sync at 4, then 5 and 6 from its result) repeat."""

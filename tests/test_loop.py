@@ -22,4 +22,4 @@ def test_a_run_compiles_the_train_step_once_across_logs_and_a_save(tmp_path):
     jax.monitoring.unregister_event_duration_listener(on_compile)
   assert [r["step"] for r in records] == [1, 2, 4, 6]
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [3, 6]
-  assert compiled.count("jit(step)") == 1, compiled  # TrainStep's jitted `step`
+  assert compiled.count("jit(train_step)") == 1, compiled  # TrainStep's jitted `train_step`

@@ -39,6 +39,7 @@ def two_processes(tmp_path_factory):
   return workdir, result.stdout
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_of_eight_devices(two_processes, tmp_path):
   workdir, stdout = two_processes
   assert "[0] process 0 of 2: devices [0, 1, 2, 3], batch rows range(0, 8)" in stdout
@@ -49,6 +50,7 @@ def test_two_processes_train_like_one_process_of_eight_devices(two_processes, tm
   np.testing.assert_allclose(list(got.values()), list(expected.values()), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_two_processes_continues_in_one(two_processes, tmp_path):
   workdir, _ = two_processes
   cfg = micro_config(**CHANGES, workdir=str(tmp_path))
@@ -63,6 +65,7 @@ PEER_LOST = ("another task died", "tasks have crashed", "crashed unexpectedly",
              "Connection closed by peer", "peer closed connection", "send connection has failed")
 
 
+@pytest.mark.slow
 def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
   timeout_s = 10
   port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "

@@ -33,6 +33,7 @@ def this_python_kernel(tmp_path, monkeypatch):
   return "python3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebook_runs(path, this_python_kernel):
   notebook = nbformat.read(path, as_version=4)

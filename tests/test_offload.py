@@ -9,7 +9,7 @@ import chex
 import jax
 import pytest
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from reference import random_batches
 from equivalence import meshtrain_run
 from meshtrain.analysis import selfcheck
@@ -30,7 +30,7 @@ SETTINGS = {"optimizer": (("embed", "head", "layers"), True), "params": (("layer
             "optimizer+params": (("embed", "head", "layers"), True)}
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", tiered(SETTINGS, ("optimizer+params",)))
 def test_offloaded_state_lies_on_the_host_and_trains_the_same(setting):
   """Against the same run without offload: equal losses and weights; the state
   `config.offload` names lies in pinned host memory, and the compiled step
@@ -59,6 +59,7 @@ def test_offloaded_state_lies_on_the_host_and_trains_the_same(setting):
   chex.assert_trees_all_close(runs[True], runs[False], rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_streamed_weights_in_bfloat16_with_recomputation_train_the_same():
   """The streamed layers are cast to the working dtype on the device, and the
   backward fetches them again under `remat=full`."""
@@ -71,6 +72,7 @@ def test_streamed_weights_in_bfloat16_with_recomputation_train_the_same():
   chex.assert_trees_all_close(runs[1], runs[0], rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_verify_runs_an_offloaded_config():
   """`meshtrain verify` on offloaded state: the first gradient from the weights
   brought to the device, then the offloaded steps, against plain jit."""

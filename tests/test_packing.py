@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from test_train_equivalence import STEPS
 from meshtrain.errors import ConfigError
@@ -78,7 +78,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", tiered(CASES, ("data=4 sequence=2 ring",)))
 def test_packed_training_matches_one_device(case):
   cfg = micro_config(**{"data.packing": "segments"})
   cfg.update(CASES[case])

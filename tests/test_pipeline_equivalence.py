@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from meshtrain.analysis import hlo
@@ -44,7 +44,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", tiered(CASES, ("pipeline=2 data=2 sequence=2 all_gather_kv zb_h1 "
+                                                 "remat=selective",)))
 def test_pipeline_compositions_match_unsharded_plain_jit(case):
   cfg = micro_config()
   cfg.update(CASES[case])

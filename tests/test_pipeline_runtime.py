@@ -101,8 +101,9 @@ def assert_matches(got, want):
   jax.tree_util.tree_map_with_path(close, jax.device_get(grads), jax.device_get(want_grads))
 
 
-@pytest.mark.parametrize("name,num_chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                             ("zb_h1", 1), ("zb_h2", 1)])
+@pytest.mark.parametrize("name,num_chunks", [
+    pytest.param("gpipe", 1, marks=pytest.mark.slow), ("1f1b", 1), ("interleaved_1f1b", 2),
+    pytest.param("zb_h1", 1, marks=pytest.mark.slow), ("zb_h2", 1)])
 def test_schedules_match_plain_gradients(name, num_chunks):
   """Pipeline 4 x data 2, `data` left automatic: GSPMD composes with the
   executor (and reduces the gradients over `data` inside the ticks)."""
@@ -124,6 +125,7 @@ def test_pipeline_by_tensor_and_fsdp():
   assert_matches(got, reference(4))
 
 
+@pytest.mark.slow
 def test_one_f_one_b_memory_is_flat_in_microbatches():
   """Same microbatch, 4x the microbatches: the 1F1B stash stays at P - s
   microbatches' residuals (P = 2), GPipe's holds all M."""

@@ -2,6 +2,7 @@
 tensor, each 2) trains like one device, in its own process (the test session
 has 8 devices)."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ print("losses", assert_matches_one_device(cfg, batches)[1])
 """
 
 
+@pytest.mark.slow
 def test_pipeline_fsdp_tensor_data_on_sixteen_devices():
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   env.pop("XLA_FLAGS", None)

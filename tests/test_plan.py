@@ -10,7 +10,7 @@ import collections
 import jax
 import pytest
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from meshtrain.analysis import hlo, trace
 from meshtrain.analysis.plan import abstract_mesh, activation_bytes, analytic, compile_step
 from meshtrain.data import make_iterator
@@ -56,7 +56,7 @@ def executed_collectives(setup) -> list[dict]:
   return [vars(c) for c in hlo.collectives(compiled, setup.mesh, executed)]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", tiered(STRATEGIES, ("tp+sp", "cp ring", "1f1b")))
 def test_activation_traffic_matches_the_analytic_model(strategy):
   cfg = micro_config(**{"model.num_kv_heads": 4})  # kv heads split like the query heads
   cfg.update(STRATEGIES[strategy])  # nested dicts update sub-configs key by key
@@ -89,7 +89,7 @@ def test_zero1_and_zero2_are_one_program_without_accumulation():
     cfg = micro_config(**{"mesh.data": 8, "zero_stage": stage})
     setup = build(cfg)
     reports[stage] = analytic(cfg, setup.spec, setup.rules, setup.mesh)["memory_bytes"]
-    programs[stage] = compile_step(setup).as_text()
+    programs[stage] = hlo.without_metadata(compile_step(setup).as_text())
   assert programs[1] == programs[2]
   assert reports[1] == reports[2]
 

@@ -1,6 +1,7 @@
 """Mixed precision: bfloat16 working weights and activations, float32 master
 weights and optimizer state, training close to float32."""
 
+import pytest
 import json
 
 import chex
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import SHAKESPEARE, micro_config
+from conftest import micro_config
 from reference import random_batches, reference_run
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
@@ -34,29 +35,31 @@ def test_bfloat16_training_tracks_float32_and_keeps_float32_state():
   np.testing.assert_allclose(losses, ref_losses, atol=0.03)  # bf16 rounding, not drift
 
 
-def text_config(workdir, dtype, **changes):
-  """The tiny model on the shakespeare text, bytes as tokens."""
+def text_config(workdir, dtype, text, **changes):
+  """The tiny model on real text, bytes as tokens."""
   return micro_config(**{"param_dtype": dtype, "compute_dtype": dtype, "workdir": str(workdir),
-                         "data.source": "text", "data.path": str(SHAKESPEARE),
+                         "data.source": "text", "data.path": str(text),
                          "model.vocab_size": 256, "seq_len": 32, "checkpoint.every_steps": 0,
                          **changes})
 
 
-def test_float16_with_loss_scaling_trains_like_bfloat16_on_shakespeare(tmp_path):
+@pytest.mark.slow
+def test_float16_with_loss_scaling_trains_like_bfloat16_on_real_text(tmp_path, real_text):
   steps = {"steps": 40, "log_every": 5, "optimizer.learning_rate": 1e-2}
-  fp16 = train(text_config(tmp_path / "fp16", "float16", **steps))
-  bf16 = train(text_config(tmp_path / "bf16", "bfloat16", **steps))
+  fp16 = train(text_config(tmp_path / "fp16", "float16", real_text, **steps))
+  bf16 = train(text_config(tmp_path / "bf16", "bfloat16", real_text, **steps))
   assert fp16[-1]["loss"] < fp16[0]["loss"] - 1.5  # it learned (5.5 -> about 3.3)
   assert abs(fp16[-1]["loss"] - bf16[-1]["loss"]) < 0.05
   assert fp16[-1]["nonfinite_steps"] == 0 and fp16[-1]["overflow_steps"] == 0
 
 
-def test_overflow_is_skipped_counted_and_the_scale_recovers_on_fsdp(tmp_path):
+@pytest.mark.slow
+def test_overflow_is_skipped_counted_and_the_scale_recovers_on_fsdp(tmp_path, real_text):
   """A scale of 2**30 overflows float16 (max 65504): each overflow halves it and
   drops the update without a nan_policy stop; `period` finite steps in a row
   double it. The scale and the count are in metrics.jsonl."""
   period = 4
-  cfg = text_config(tmp_path, "float16", **{"mesh.data": 1, "mesh.fsdp": 8, "steps": 30,
+  cfg = text_config(tmp_path, "float16", real_text, **{"mesh.data": 1, "mesh.fsdp": 8, "steps": 30,
                                             "nan_policy": "stop", "loss_scale.initial": 2.0**30,
                                             "loss_scale.period": period})
   records = train(cfg)
@@ -91,11 +94,12 @@ def test_an_overflowed_step_changes_no_weight_or_optimizer_state():
   assert (float(state.loss_scale.scale), int(state.step)) == (2.0**39, 1)
 
 
-def test_resume_is_exact_with_the_loss_scale(tmp_path):
+@pytest.mark.slow
+def test_resume_is_exact_with_the_loss_scale(tmp_path, real_text):
   changes = {"steps": 8, "loss_scale.initial": 2.0**22, "loss_scale.period": 2,
              "checkpoint.every_steps": 4}
-  straight = train(text_config(tmp_path / "straight", "float16", **changes))
-  resumed = train(text_config(tmp_path / "resumed", "float16", **changes, **{
+  straight = train(text_config(tmp_path / "straight", "float16", real_text, **changes))
+  resumed = train(text_config(tmp_path / "resumed", "float16", real_text, **changes, **{
       "checkpoint.restore_from": str(tmp_path / "straight/checkpoints/4")}))
   pick = lambda records: [(r["step"], r["loss"], r["loss_scale"], r["overflow_steps"])
                           for r in records if r["step"] > 4]

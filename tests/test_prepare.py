@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import tokenizers
 
-from conftest import REPO, SHAKESPEARE
+from conftest import REPO
 from meshtrain.data import prepare as p
 from meshtrain.data import tokenizer as tk
 from meshtrain.data.tokens import PreparedCorpus
@@ -51,10 +51,11 @@ def test_bytes_round_trip_every_format_glob_and_directory(tmp_path):
     assert doc[-1] == 0 and bytes(doc[:-1].astype(np.uint8)) == text.encode("utf-8")
 
 
-def test_huggingface_tokens_equal_the_tokenizers_own_encoding_despite_pieces(tmp_path, monkeypatch):
+def test_huggingface_tokens_equal_the_tokenizers_own_encoding_despite_pieces(tmp_path, monkeypatch,
+                                                                           real_text):
   monkeypatch.setattr(p, "PIECE_CHARS", 5_000)  # cut the play into ~200 pieces
   monkeypatch.setattr(p, "BATCH_CHARS", 50_000)
-  text = SHAKESPEARE.read_text()[:200_000]
+  text = real_text.read_text()[:200_000]
   (tmp_path / "play.txt").write_text(text)
   meta = p.prepare([str(tmp_path / "play.txt")], "train:300", str(tmp_path / "out"), val_fraction=0)
   [doc] = prepared_documents(tmp_path / "out")
@@ -64,8 +65,8 @@ def test_huggingface_tokens_equal_the_tokenizers_own_encoding_despite_pieces(tmp
   np.testing.assert_array_equal(doc, reference.encode(text, add_special_tokens=False).ids + [eos])
 
 
-def test_blank_lines_split_documents(tmp_path):
-  text = SHAKESPEARE.read_text()[:20_000]
+def test_blank_lines_split_documents(tmp_path, real_text):
+  text = real_text.read_text()[:20_000]
   (tmp_path / "play.txt").write_text(text)
   p.prepare([str(tmp_path / "play.txt")], "bytes", str(tmp_path / "out"), split_blank_lines=True)
   docs = prepared_documents(tmp_path / "out")
@@ -93,8 +94,8 @@ def test_split_cuts_at_a_document_start_or_inside_one_long_document(tmp_path):
   assert meta["split"] == {"train": [0, 900], "val": [900, 1000]}
 
 
-def test_a_half_written_directory_is_refused(tmp_path):
-  p.prepare([str(SHAKESPEARE)], "bytes", str(tmp_path / "out"))
+def test_a_half_written_directory_is_refused(tmp_path, real_text):
+  p.prepare([str(real_text)], "bytes", str(tmp_path / "out"))
   tokens = tmp_path / "out/tokens.bin"
   tokens.write_bytes(tokens.read_bytes()[:1000])
   with pytest.raises(ConfigError, match="tokens.bin has 1000 bytes where meta.json says"):

@@ -39,6 +39,7 @@ def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance):
   assert model.activation_and_backward_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
 
 
+@pytest.mark.slow
 def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
   """(Its CPU time is measured by bench/planner_validation.py.)"""
   results, fitting, _ = search.search(load(REPO / "configs" / "llama_70b.py"), 1024,
@@ -51,7 +52,9 @@ def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
     assert e.step_s == pytest.approx(e.compute_s + sum(e.exposed_s.values()) + e.bubble_s)
 
 
-@pytest.mark.parametrize("run", published.RUNS, ids=lambda run: run.name)
+@pytest.mark.parametrize("run", [
+    pytest.param(run, id=run.name, marks=() if i == 0 else pytest.mark.slow)
+    for i, run in enumerate(published.RUNS)])
 def test_published_runs(run):
   """docs/planner.md: the predicted TFLOP/s per device of the published
   configuration is within 25% of the published figure; on up to 256 devices the published mesh ranks in the top 5 or
@@ -67,6 +70,7 @@ def plan(*args):
                         capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_search_command_prints_json_with_ready_command_lines(tmp_path):
   cluster = tmp_path / "mine.json"
   cluster.write_text(json.dumps(dict(peak_flops=400e12, hbm_bytes=40e9, intra_host=200e9,

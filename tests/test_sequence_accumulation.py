@@ -6,7 +6,7 @@ Under ZeRO 0/1 with `data` > 1 the accumulation keeps per-replica gradient sums
 
 import pytest
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from test_train_equivalence import STEPS
@@ -19,7 +19,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", tiered(CASES, ("data=2 sequence=4 zero1 accumulate 2 ulysses",)))
 def test_sequence_with_accumulation_matches_one_device(case):
   cfg = micro_config()
   cfg.update(CASES[case])

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import micro_config
+from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from meshtrain.analysis.plan import compile_step
@@ -44,7 +44,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+# One case per strategy family in the quick tier.
+QUICK = ("data=8 zero0", "data=8 zero3 accumulate 2", "fsdp=8", "data=2 fsdp=4 (hybrid) accumulate 2",
+         "tensor=4 sequence parallel", "data=2 sequence=4 ring", "pipeline=4 data=2 1f1b",
+         "data=8 remat=selective")
+
+
+@pytest.mark.parametrize("case", tiered(CASES, QUICK))
 def test_matches_unsharded_plain_jit(case):
   cfg = micro_config()
   cfg.update(CASES[case])  # nested dicts update sub-configs key by key
@@ -67,9 +73,10 @@ def test_parameters_are_created_in_shards():
   assert mu.sharding.is_equivalent_to(wq.sharding, wq.ndim)
 
 
-@pytest.mark.parametrize("changes", [dict(mesh=dict(data=8)),
-                                     dict(mesh=dict(data=8), zero_stage=1),
-                                     dict(mesh=dict(data=1, fsdp=8))], ids=["dp", "zero1", "fsdp"])
+@pytest.mark.parametrize("changes", [
+    pytest.param(dict(mesh=dict(data=8)), id="dp", marks=pytest.mark.slow),
+    pytest.param(dict(mesh=dict(data=8), zero_stage=1), id="zero1", marks=pytest.mark.slow),
+    pytest.param(dict(mesh=dict(data=1, fsdp=8)), id="fsdp")])
 def test_the_donated_state_is_updated_where_it_lies(changes):
   """Read from the compiled step: XLA copies no weight or optimizer moment
   before overwriting it (a select of new and old state once made it copy every

@@ -2,18 +2,20 @@
 
 XLA's own cost analysis counts a while loop's body once and a conditional's
 most expensive branch, which says little about a pipeline: its step is a
-loop over ticks whose body is a `lax.switch` on what the stage runs. Here
-every `dot` counts 2 x output elements x contracted size, a loop body counts
-times its known trip count, and a conditional either its costliest branch
-or, where the caller knows how often each branch runs (a schedule table),
-the weighted sum. Elementwise work is left out: matmuls are what a pipeline
-could repeat (a recomputed forward) or lose.
+loop over ticks whose body holds one conditional per op (F, B, W), each
+taking its branch on some ticks only. Here every `dot` counts 2 x output
+elements x contracted size, a loop body counts times its known trip count,
+and a conditional either its costliest branch or, where the caller knows how
+often a two-way conditional takes its branch (a schedule table, by the named
+scope the conditional was traced under), the weighted sum. Elementwise work
+is left out: matmuls are what a pipeline could repeat (a recomputed forward)
+or lose.
 """
 
 import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from meshtrain.analysis import hlo
 
@@ -28,17 +30,23 @@ def _elements(shape: str) -> list[int]:
   return [int(d) for d in match.group(1).split(",") if d] if match else []
 
 
-def dot_flops(program, branch_weights: Mapping[int, Sequence[float]] | None = None) -> float:
+def _scope(inst) -> str | None:
+  """The named scope a conditional was traced under: `.../SCOPE/cond` in its op name."""
+  match = re.search(r'op_name="[^"]*?([^/"]+)/cond"', inst.attributes)
+  return match.group(1) if match else None
+
+
+def dot_flops(program, cond_weights: Mapping[str, float] | None = None) -> float:
   """Matmul FLOPs of one run of `program` (compiled, or its `as_text()`) on
   one device.
 
-  branch_weights: {number of branches: weight per branch}: a conditional
-  with that many branches counts sum(weight_i x FLOPs of branch i) instead of
-  its costliest branch (per execution; the weights of a branch taken on a
-  third of the executions is 1/3).
+  cond_weights: {named scope: share}: a two-way conditional traced under
+  that scope (`with jax.named_scope(scope): lax.cond(...)`) takes its branch
+  on that share of its executions, and counts share x its FLOPs plus (1 -
+  share) x the other branch's, instead of its costliest branch.
   """
   module = hlo._parse_module(hlo._hlo_text(program))
-  branch_weights = dict(branch_weights or {})
+  cond_weights = dict(cond_weights or {})
 
   def instruction_flops(inst) -> float:
     if inst.opcode != "dot":
@@ -57,9 +65,10 @@ def dot_flops(program, branch_weights: Mapping[int, Sequence[float]] | None = No
         total += (hlo._trip_count(inst) or 1) * sum(flops(c) for c in callees)
       elif inst.opcode == "conditional":
         costs = [flops(c) for c in callees]
-        weights = branch_weights.get(len(costs))
-        total += (sum(w * c for w, c in zip(weights, costs)) if weights is not None
-                  else max(costs, default=0.0))
+        share = cond_weights.get(_scope(inst))
+        # A two-way conditional lists its false branch first.
+        total += (share * costs[1] + (1 - share) * costs[0]
+                  if share is not None and len(costs) == 2 else max(costs, default=0.0))
       else:
         total += sum(flops(c) for c in callees)
     return total

@@ -596,6 +596,62 @@ def collectives(program: str | _HasText, mesh: Mesh,
   ]
 
 
+def without_metadata(text: str) -> str:
+  """A program's text without source locations (op metadata and the file
+  and stack-frame tables), which differ between traces of one program."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", text)
+  return re.sub(r"\nFileNames\n.*?\n\n(?=\n*(%|ENTRY))", "\n", text, flags=re.S)
+
+
+def copy_bytes(program: str | _HasText) -> tuple[int, int]:
+  """(count, bytes) of the copy instructions in a program, fused ones
+  included, each as often as it runs (loops times their trip counts, every
+  branch of a conditional as if it ran: static, like `collectives`)."""
+  module = _parse_module(_hlo_text(program))
+  executions = _executions(module)
+  found = [(executions[inst.computation].count, _shape_bytes(inst.shape))
+           for inst in module.instructions() if inst.opcode == "copy"]
+  return sum(n for n, _ in found), sum(n * b for n, b in found)
+
+
+def loop_copy_bytes(program: str | _HasText) -> int:
+  """Bytes one iteration of the program's first loop (a pipeline's tick)
+  moves by copy instructions of their own: buffers XLA copies to pass values
+  around, not the layout changes fused into a computation (a transposed or
+  concatenated weight). Nested loops count times their trips, each
+  conditional at its costliest branch."""
+  module = _parse_module(_hlo_text(program))
+
+  @functools.cache
+  def copied(name: str) -> int:
+    total = 0
+    for inst in module.computations[name]:
+      total += _shape_bytes(inst.shape) if inst.opcode == "copy" else 0
+      callees = [c for c in module.called(inst) if inst.opcode != "fusion"]
+      if inst.opcode == "while":
+        total += (_trip_count(inst) or 1) * sum(copied(c) for c in callees)
+      elif inst.opcode == "conditional":
+        total += max((copied(c) for c in callees), default=0)
+      else:
+        total += sum(copied(c) for c in callees)
+    return total
+
+  def first_loop(name: str) -> _Instruction | None:
+    for inst in module.computations[name]:
+      if inst.opcode == "while":
+        return inst
+      for callee in module.called(inst):
+        if (found := first_loop(callee)) is not None:
+          return found
+    return None
+
+  loop = first_loop(module.entry)
+  if loop is None:
+    raise ValueError("the program has no loop")
+  body = re.search(r"body=%([\w.\-]+)", loop.attributes).group(1)
+  return copied(body)
+
+
 def memory_bytes(compiled: Any) -> dict[str, int]:
   """Per-device buffer sizes XLA planned for a compiled program.
 

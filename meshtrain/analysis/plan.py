@@ -194,10 +194,11 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if stages > 1:
-    ticks = schedule_table(cfg.pipeline.schedule, stages, microbatches,
-                           cfg.pipeline.virtual_stages).num_ticks
+    # Every stage sends after the ticks where some stage receives (runtime.py).
+    sends = schedule_table(cfg.pipeline.schedule, stages, microbatches,
+                           cfg.pipeline.virtual_stages).sends().sum()
     sent = activation / (t if cfg.tensor_sequence_parallel else 1)
-    comm.add("collective-permute", {"pipeline"}, sent, mesh, 2 * ticks * cfg.grad_accum_steps)
+    comm.add("collective-permute", {"pipeline"}, sent, mesh, sends * cfg.grad_accum_steps)
 
 
 def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,

@@ -1,10 +1,10 @@
 """How often each instruction of a compiled program ran, read from a profiler trace.
 
 `hlo.collective_ops` counts from the program text, which cannot tell which
-branch of a conditional runs: it counts every branch as if it ran. The
-pipeline's tick is a four-way `lax.switch` (idle, F, B, F+B) whose branch each
-stage reads from the schedule table, so that static count is several times what
-runs. `executions(call, compiled)` runs the program once under `jax.profiler`
+branch of a conditional runs: it counts every branch as if it ran. A
+pipeline's tick holds one conditional per op (F, B, W) and one per send, each
+taken where the schedule table says, so that static count is several times
+what runs. `executions(call, compiled)` runs the program once under `jax.profiler`
 and counts the ops that ran: XLA's CPU runtime records every executed thunk with
 its HLO op name and device (`args.hlo_op`, `args.device_ordinal`), once per
 loop iteration and only for the branch taken.

@@ -15,7 +15,9 @@ from them and keeps its inner optimizer state.
 """
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.train.state import ModelSpec, TrainState, state_shardings
-from meshtrain.train.step import TrainStep, batch_sharding
+from meshtrain.train.step import (Program, StepOptions, batch_sharding, build_program,
+                                  train_step)
 
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
@@ -74,6 +77,64 @@ def inner_rules(rules: r.ShardingRules) -> r.ShardingRules:
                            for table in (rules.params, rules.grads, rules.optimizer)))
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalProgram:
+  """What the inner and sync steps read, resolved once."""
+  replica_step: Program  # one replica's train step, mapped over `data`
+  replicas: int
+  rules: r.ShardingRules      # the strategy's (the pipeline's replica gradients trace under them)
+  one: r.ShardingRules        # one replica's: the tables without `data`
+  replica_params: Any         # one replica's parameter layout
+  outer_optimizer: optax.GradientTransformation
+  replica_grads_fn: Callable | None  # every replica's (loss, grads) at once, or None
+
+
+def _computed(params, batch):
+  """A replica's step whose batch is its already computed (loss, grads)."""
+  return batch["loss"], batch["grads"]
+
+
+def inner_step(program: LocalProgram, state: TrainState, batch) -> tuple[TrainState, dict]:
+  """Every replica's step on its rows, mapped over `data`: no collective over it."""
+  def one_replica(params, opt_state, nonfinite_steps, batch):
+    new, metrics = train_step(program.replica_step,
+                              TrainState(state.step, params, opt_state, nonfinite_steps), batch)
+    return new.params, new.opt_state, new.nonfinite_steps, metrics
+
+  if program.replica_grads_fn:
+    dtype = jnp.dtype(program.replica_step.options.param_dtype)
+    with nnx.logical_axis_rules(program.rules.params):
+      loss, grads = program.replica_grads_fn(
+          jax.tree.map(lambda x: x.astype(dtype), state.params), batch)
+    by_replica = {"loss": loss, "grads": grads}
+  else:
+    by_replica = jax.tree.map(lambda x: x.reshape(program.replicas, -1, *x.shape[1:]), batch)
+  with nnx.logical_axis_rules(program.one.params):
+    params, opt_state, nonfinite_steps, metrics = jax.vmap(one_replica, spmd_axis_name="data")(
+        state.params, state.opt_state, state.nonfinite_steps, by_replica)
+  return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state,
+                             nonfinite_steps=nonfinite_steps), metrics
+
+
+def sync(program: LocalProgram, state: TrainState) -> TrainState:
+  """The outer step: the replicas' mean delta (the one all-reduce over `data`)
+  applied to the shared weights, from which every replica starts again."""
+  shared = state.outer.params
+  delta = jax.lax.with_sharding_constraint(
+      jax.tree.map(lambda old, new: (old[None] - new).mean(0), shared, state.params),
+      program.replica_params)
+  updates, opt_state = program.outer_optimizer.update(delta, state.outer.opt_state, shared)
+  shared = optax.apply_updates(shared, updates)
+  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (program.replicas, *x.shape)), shared)
+  return dataclasses.replace(state, params=params, outer=OuterState(shared, opt_state))
+
+
+def reduce_metrics(metrics: dict) -> dict:
+  """The replicas' mean loss and gradient norm, their summed dropped steps."""
+  return {key: value.sum() if key == "nonfinite_steps" else value.mean()
+          for key, value in metrics.items()}
+
+
 class LocalSGDStep:
   """`state, metrics = step(state, batch)`: an inner step, followed by the sync
   step after every `inner_steps`-th. Metrics are the replicas' mean loss and
@@ -85,82 +146,46 @@ class LocalSGDStep:
   loop next looks."""
 
   def __init__(self, local_cfg, spec: ModelSpec, loss_fn, optimizer: optax.GradientTransformation,
-               mesh: Mesh, rules: r.ShardingRules, *, replica_grads_fn=None, **step_options):
-    """`step_options` are TrainStep's (grad_accum_steps, param_dtype, grad_dtype, schedule).
+               mesh: Mesh, rules: r.ShardingRules, *, replica_grads_fn=None, schedule=None,
+               **step_options):
+    """`step_options` are `StepOptions`' (grad_accum_steps, param_dtype, grad_dtype).
     `replica_grads_fn(params, batch) -> ([R] losses, [R, ...] grads)` computes
     every replica's gradients at once, each on its rows (the pipeline, whose
     shard_map a vmap over `data` cannot enter: the vmap would add the manual
     `data` to the model's sharding constraints inside)."""
     self.mesh, self.rules, self.inner_steps = mesh, rules, local_cfg.inner_steps
-    replicas = mesh.shape["data"]
     one = inner_rules(rules)
     replica = state_shardings(spec, optimizer, mesh, one)  # one replica's layout
-    self.outer_optimizer = outer_optimizer(local_cfg)
-    outer_opt = state_shardings(spec, self.outer_optimizer, mesh, one).opt_state
+    outer = outer_optimizer(local_cfg)
     self.shardings = TrainState(
         step=replica.step, params=jax.tree.map(_stacked, replica.params),
         opt_state=jax.tree.map(_stacked, replica.opt_state),
         nonfinite_steps=NamedSharding(mesh, P("data")),
-        outer=OuterState(replica.params, outer_opt))
+        outer=OuterState(replica.params, state_shardings(spec, outer, mesh, one).opt_state))
     self._optimizer, self._spec = optimizer, spec
-    # With replica_grads_fn each replica's step takes its computed (loss, grads) as its batch.
-    computed = (lambda params, batch: (batch["loss"], batch["grads"])) if replica_grads_fn else None
-    inner = TrainStep(loss_fn, spec.names, optimizer, mesh, one, replica, grads_fn=computed,
-                      nan_policy="skip", replicas=1, **step_options)
-    param_dtype = jnp.dtype(step_options.get("param_dtype", "float32"))
+    options = StepOptions(nan_policy="skip", replicas=1, **step_options)
+    replica_step = build_program(loss_fn, spec.names, optimizer, mesh, one, replica, options,
+                                 schedule, _computed if replica_grads_fn else None)
+    self.program = LocalProgram(replica_step, mesh.shape["data"], rules, one, replica.params,
+                                outer, replica_grads_fn)
     self.batch_sharding = batch_sharding(mesh, rules)
-
-    def inner_step(state: TrainState, batch):
-      def one_replica(params, opt_state, nonfinite_steps, batch):
-        new, metrics = inner.step_fn(TrainState(state.step, params, opt_state, nonfinite_steps),
-                                     batch)
-        return new.params, new.opt_state, new.nonfinite_steps, metrics
-
-      if replica_grads_fn:
-        with nnx.logical_axis_rules(rules.params):
-          loss, grads = replica_grads_fn(
-              jax.tree.map(lambda x: x.astype(param_dtype), state.params), batch)
-        by_replica = {"loss": loss, "grads": grads}
-      else:
-        by_replica = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
-      with nnx.logical_axis_rules(one.params):
-        params, opt_state, nonfinite_steps, metrics = jax.vmap(
-            one_replica, spmd_axis_name="data")(state.params, state.opt_state,
-                                                state.nonfinite_steps, by_replica)
-      return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state,
-                                 nonfinite_steps=nonfinite_steps), metrics
-
-    def sync(state: TrainState) -> TrainState:
-      shared = state.outer.params
-      delta = jax.lax.with_sharding_constraint(  # the one all-reduce over `data`
-          jax.tree.map(lambda old, new: (old[None] - new).mean(0), shared, state.params),
-          replica.params)
-      updates, opt_state = self.outer_optimizer.update(delta, state.outer.opt_state, shared)
-      shared = optax.apply_updates(shared, updates)
-      params = jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), shared)
-      return dataclasses.replace(state, params=params, outer=OuterState(shared, opt_state))
-
-    def reduce_metrics(metrics):
-      return {key: value.sum() if key == "nonfinite_steps" else value.mean()
-              for key, value in metrics.items()}
-
-    self._inner = jax.jit(inner_step, in_shardings=(self.shardings, self.batch_sharding),
+    self._inner = jax.jit(functools.partial(inner_step, self.program),
+                          in_shardings=(self.shardings, self.batch_sharding),
                           out_shardings=(self.shardings, None), donate_argnums=0)
-    self._sync = jax.jit(sync, in_shardings=(self.shardings,), out_shardings=self.shardings,
-                         donate_argnums=0)
+    self._sync = jax.jit(functools.partial(sync, self.program), in_shardings=(self.shardings,),
+                         out_shardings=self.shardings, donate_argnums=0)
     self._reduce = jax.jit(reduce_metrics)
     self._last = None  # (the step array we last returned, its value): no host sync per step
 
   def init_state(self) -> TrainState:
     """Every replica starts from the same weights, which are also the shared ones."""
-    replicas = self.mesh.shape["data"]
+    replicas, outer = self.program.replicas, self.program.outer_optimizer
 
     def create():
       params = self._spec.init()
       stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
       return TrainState(jnp.zeros((), jnp.int32), stack(params), stack(self._optimizer.init(params)),
-                        jnp.zeros((replicas,), jnp.int32),
-                        OuterState(params, self.outer_optimizer.init(params)))
+                        jnp.zeros((replicas,), jnp.int32), OuterState(params, outer.init(params)))
     return jax.jit(create, out_shardings=self.shardings)()
 
   def _with_mesh(self, fn, *args):

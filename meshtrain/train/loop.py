@@ -8,24 +8,23 @@ says, so rerunning the same command after a stop continues the run.
 
 import json
 import math
-import time
 from pathlib import Path
 
 import jax
 from tqdm import tqdm
 
 from meshtrain import rules as r
-from meshtrain.models.flops import flops_per_token
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
-from meshtrain.train.evaluate import evaluator_for
 from meshtrain.mesh import make_mesh
-from meshtrain.train.metrics import MetricsWriter
+from meshtrain.models.flops import flops_per_token
+from meshtrain.train.evaluate import evaluator_for
+from meshtrain.train.metrics import MetricsWriter, Throughput
+from meshtrain.train.parallelize import model_config
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.parallelize import model_config
 
 
 def describe(setup: Setup) -> str:
@@ -56,36 +55,63 @@ def padded_vocab(cfg):
   return cfg
 
 
+def _announce(cfg, setup: Setup, workdir: Path, origin: str, start: int, rows: range) -> None:
+  """The run's config into the workdir, and what runs where on the terminal."""
+  if jax.process_count() > 1:
+    print(f"process {jax.process_index()} of {jax.process_count()}: devices "
+          f"{[d.id for d in jax.local_devices()]}, batch rows {rows}", flush=True)
+  if jax.process_index() == 0:
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    print(describe(setup), f"\n  {origin} at step {start}", flush=True)
+
+
+def _halt(cfg, state, checkpoints, batches) -> None:
+  """Saves the last good state (a non-finite step changed nothing) and stops
+  the run with `config.nan_policy`'s message."""
+  good = int(state.step)
+  checkpoints.save(good, state, batches, cfg)
+  raise TrainingHalted(
+      "config.nan_policy", f"loss or gradients not finite at step {good + 1}; the last good "
+      f"state (step {good}) is in {checkpoints.directory / str(good)}. Lower "
+      "config.optimizer.learning_rate or set config.nan_policy=skip, then rerun to resume")
+
+
+def _stop_preempted(cfg, state, checkpoints, batches, step: int, why: str) -> None:
+  checkpoints.save(step, state, batches, cfg)
+  checkpoints.wait()
+  if jax.process_index() == 0:
+    print(f"\n{why}: stopped after step {step}, checkpoint in "
+          f"{checkpoints.directory / str(step)}; run the same command to resume", flush=True)
+
+
 def train(cfg) -> list[dict]:
-  """Runs up to step `cfg.steps` and returns the records logged by this call."""
+  """Runs up to step `cfg.steps` and returns the records logged by this call.
+
+  Each step is dispatched without waiting; then whatever is due after it
+  happens, in this order: a checkpoint (`checkpoints.due`), an evaluation
+  (`evaluator.due`), a log record (every `log_every`, the first and last
+  steps, and with an evaluation: the only host sync), a stop on a
+  non-finite step (`nan_policy=stop`) or on a preemption signal."""
   cfg = padded_vocab(cfg)
   setup = build(cfg)
   evaluator = evaluator_for(cfg, setup)
   sharding = setup.train_step.batch_sharding
   batch_shape = (cfg.global_batch, cfg.seq_len)
+  rows = process_rows(sharding, batch_shape)
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                          vocab_size=cfg.model.vocab_size, seed=cfg.seed,
-                          rows=process_rows(sharding, batch_shape))
+                          vocab_size=cfg.model.vocab_size, seed=cfg.seed, rows=rows)
   workdir = Path(cfg.workdir)
   state, checkpoints, origin = start_state(cfg, setup, batches)
   first = int(state.step) + 1
   workdir.mkdir(parents=True, exist_ok=True)
-  if jax.process_count() > 1:
-    print(f"process {jax.process_index()} of {jax.process_count()}: devices "
-          f"{[d.id for d in jax.local_devices()]}, batch rows {process_rows(sharding, batch_shape)}",
-          flush=True)
-  if jax.process_index() == 0:
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    print(describe(setup), f"\n  {origin} at step {first - 1}", flush=True)
-  tokens_per_step = cfg.global_batch * cfg.seq_len
-  model_flops = flops_per_token(model_config(cfg), setup.spec.abstract_params, cfg.seq_len)
-  peak = cfg.peak_flops * setup.mesh.size
-
+  _announce(cfg, setup, workdir, origin, first - 1, rows)
+  throughput = Throughput(first, cfg.global_batch * cfg.seq_len,
+                          flops_per_token(model_config(cfg), setup.spec.abstract_params,
+                                          cfg.seq_len), cfg.peak_flops * setup.mesh.size)
   writer = MetricsWriter(workdir, resumed_step=first - 1)
   records = []
   bar = tqdm(initial=first - 1, total=cfg.steps, desc="train", unit="step",
              disable=jax.process_index() != 0)
-  last_step, last_time = first - 1, time.perf_counter()
   try:
     with PreemptionRequest() as preemption:
       for step in range(first, cfg.steps + 1):
@@ -98,16 +124,8 @@ def train(cfg) -> list[dict]:
         preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
         if not (logging or preempted):
           continue
-        metrics = jax.device_get(metrics)  # the only host sync
-        now = time.perf_counter()
-        step_time = (now - last_time) / (step - last_step)
-        tokens_per_sec = tokens_per_step / step_time
-        record = {"step": step, **{k: v.item() for k, v in metrics.items()},
-                  "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-                  "mfu": tokens_per_sec * model_flops / peak if peak else None}
-        if step == first:  # the first step includes compilation: report it apart
-          record["compile_time_s"] = record.pop("step_time_s")
-          record["tokens_per_sec"] = record["mfu"] = None
+        record = {"step": step, **{k: v.item() for k, v in jax.device_get(metrics).items()},
+                  **throughput.record(step)}
         if evaluating:
           record.update(evaluator(state.params))
         writer.write(record)
@@ -115,20 +133,11 @@ def train(cfg) -> list[dict]:
         bar.set_postfix(loss=f"{record['loss']:.4f}",
                         tok_s=f"{record['tokens_per_sec'] or 0:,.0f}",
                         **({"eval_loss": f"{record['eval_loss']:.4f}"} if evaluating else {}))
-        last_step, last_time = step, time.perf_counter()  # not counting the evaluation
+        throughput.restart(step)
         if record["nonfinite_steps"] and cfg.nan_policy == "stop":
-          good = int(state.step)
-          checkpoints.save(good, state, batches, cfg)
-          raise TrainingHalted(
-              "config.nan_policy", f"loss or gradients not finite at step {good + 1}; the last "
-              f"good state (step {good}) is in {checkpoints.directory / str(good)}. Lower "
-              "config.optimizer.learning_rate or set config.nan_policy=skip, then rerun to resume")
+          _halt(cfg, state, checkpoints, batches)
         if preempted:
-          checkpoints.save(step, state, batches, cfg)
-          checkpoints.wait()
-          if jax.process_index() == 0:
-            print(f"\n{preempted}: stopped after step {step}, checkpoint in "
-                  f"{checkpoints.directory / str(step)}; run the same command to resume", flush=True)
+          _stop_preempted(cfg, state, checkpoints, batches, step, preempted)
           return records
       checkpoints.save(int(state.step), state, batches, cfg)
   finally:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 from pathlib import Path
 
 import jax
@@ -46,3 +47,26 @@ def _records_up_to(path: Path, step: int) -> list[str]:
     if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
       kept.append(line)
   return kept
+
+
+class Throughput:
+  """Step time, tokens/s and MFU since the last record; a run's first record
+  holds its compilation instead (`compile_time_s`)."""
+
+  def __init__(self, first_step: int, tokens_per_step: int, flops_per_token: float,
+               peak_flops: float):
+    self.tokens_per_step, self.flops_per_token, self.peak = (tokens_per_step, flops_per_token,
+                                                             peak_flops)
+    self.first, self.last_step, self.last_time = first_step, first_step - 1, time.perf_counter()
+
+  def record(self, step: int) -> dict:
+    step_time = (time.perf_counter() - self.last_time) / (step - self.last_step)
+    if step == self.first:
+      return {"compile_time_s": step_time, "tokens_per_sec": None, "mfu": None}
+    tokens_per_sec = self.tokens_per_step / step_time
+    return {"tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+            "mfu": tokens_per_sec * self.flops_per_token / self.peak if self.peak else None}
+
+  def restart(self, step: int) -> None:
+    """Times the next record from here (not counting an evaluation)."""
+    self.last_step, self.last_time = step, time.perf_counter()

@@ -278,8 +278,8 @@ class TrainStep:
                                  StepOptions(**options), schedule, grads_fn)
     # meshtrain.analysis.selfcheck runs these alone
     self.loss_fn, self.grads_fn = loss_fn, self.program.grads_fn
-    self.step_fn = functools.partial(train_step, self.program)  # unjitted, to transform
-    self._jitted = jax.jit(self.step_fn, in_shardings=(state_shardings, self.batch_sharding),
+    self._jitted = jax.jit(functools.partial(train_step, self.program),
+                           in_shardings=(state_shardings, self.batch_sharding),
                            out_shardings=(state_shardings, None), donate_argnums=0)
 
   @contextlib.contextmanager

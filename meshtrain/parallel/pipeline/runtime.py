@@ -9,18 +9,22 @@ automatic and GSPMD partitions the per-stage work as it would outside.
 Inside, one `lax.scan` over the schedule's ticks. Each tick a stage
   1. writes the activation and gradient that arrived (sent last tick) into
      the slots `act_recv_slot` and `grad_recv_slot` name;
-  2. runs one op, `lax.switch` on idle / F / B / W (first- and last-chunk
-     variants: the embedding, the head and loss), read from its row;
-  3. sends its F output right and its input gradient left on the ring, every
-     tick and outside the switch (idle stages send zeros), so every stage
-     runs the same collectives.
+  2. runs its op: three two-way conditionals, F, B and W, of which at most
+     one takes its branch. A branch reads the slots its op names, writes its
+     stash slots, its output (F: one microbatch's activation, B: its input
+     gradient) into a send buffer and adds into the gradient sums, all in
+     place; the other branch hands the state back untouched, which XLA does
+     without a copy. Every conditional returns the state alone;
+  3. sends the activation right and the input gradient left on the ring,
+     outside the op's conditionals, on the ticks after which some stage
+     receives one (a static property of the table, so every stage takes the
+     same send branch and runs the same collectives).
 Each layer's backward is split into B and W (`split.split_vjp`): F keeps the
 layer's vjp residuals (as the layer's `jax.checkpoint` policy decides) in the
 `res` stash, B computes the input gradient and leaves what W needs in the
-`cut` stash, W adds the weight gradients into the scan carry and frees both.
-Nothing runs twice: the step does the FLOPs of the unpipelined step.
-Buffers are read before and written after the switch, so XLA updates them in
-place (passed through a conditional, they were copied once more).
+`cut` stash, W adds the weight gradients into the sums. Nothing runs twice:
+the step does the FLOPs of the unpipelined step. (Why not one switch over
+the ops: docs/pipeline.md, "What a tick moves".)
 
 Model contract (any model, not only Llama):
   embed_fn(embed_params, inputs_BxL) -> x_BxLxD
@@ -29,20 +33,12 @@ Model contract (any model, not only Llama):
   loss_fn(head_params, x_BxLxD, aux) -> scalar mean loss
 `aux` is the microbatch's other [B, L] arrays (targets, positions, segment
 ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
-after the last chunk and seeds the backward with d(loss / M).
-
-An XLA SPMD partitioner abort to steer around (jax 0.10.2, Shardy and GSPMD
-alike; a plain `jax.jit` of the same op compiles): a gather inside this
-partially manual `shard_map` whose operand and indices are sharded over the
-same automatic axis, with a third mesh axis larger than one, fails with
-"Check failed: partition_group_list.num_replica_groups() * ...
-num_devices_per_group() == device_groups.num_devices_per_group()". Two
-model pieces hit it: an embedding lookup whose table splits D over `fsdp`
-(with tensor > 1), and optax's integer-label cross-entropy with vocab over
-`tensor` and batch over `data` or `fsdp`. Gathering the table's D before the
-lookup and a one-hot cross-entropy avoid it.
+after the last chunk and seeds the backward with d(loss / M). The pieces run
+inside a partially manual `shard_map`, where XLA's partitioner aborts on some
+gathers (docs/pipeline.md, "Model pieces inside the shard_map").
 """
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -55,33 +51,32 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from meshtrain.jax_internals import varying_axes
-from meshtrain.parallel.pipeline import schedule as schedules
-from meshtrain.parallel.pipeline.schedule import Schedule
-from meshtrain.parallel.pipeline.split import split_vjp
+from meshtrain.parallel.pipeline.schedule import B, F, SLOT_FIELDS, W, Schedule
+from meshtrain.parallel.pipeline.split import SplitVjp, split_vjp
 
 AXIS = "pipeline"
-# The switch's branches, one per (op, first/last chunk) the executor tells apart.
-BRANCHES = ("idle", "F", "F first", "F last", "B", "B first", "B last", "W", "W last")
+# The named scopes of a tick's conditionals (in the compiled program's op names).
+SCOPES = ("pipeline_F", "pipeline_B", "pipeline_W", "pipeline_F_head", "pipeline_B_head",
+          "pipeline_W_head", "pipeline_B_embed")
 
 
-def branch_table(schedule: Schedule) -> np.ndarray:
-  """[ticks, stages] index into BRANCHES."""
+def cond_weights(schedule: Schedule) -> dict[str, float]:
+  """Per conditional of a tick (by its named scope), the share of its runs
+  that take the branch, averaged over stages: the weights
+  `analysis.compiled_flops.dot_flops` needs. A nested one (the head's, the
+  embedding's) counts among the runs of the branch it sits in."""
+  op = schedule.op
   stage = np.arange(schedule.num_stages)[None, :]
   first = (stage == 0) & (schedule.chunk == 0)
   last = (stage == schedule.num_stages - 1) & (schedule.chunk == schedule.num_chunks - 1)
-  op = schedule.op
-  return np.select(
-      [op == schedules.IDLE, (op == schedules.F) & first, (op == schedules.F) & last,
-       op == schedules.F, (op == schedules.B) & first, (op == schedules.B) & last,
-       op == schedules.B, (op == schedules.W) & last, op == schedules.W],
-      [0, 2, 3, 1, 5, 6, 4, 8, 7]).astype(np.int32)
-
-
-def branch_weights(schedule: Schedule) -> list[float]:
-  """Per branch, the share of ticks a device runs it, averaged over stages:
-  the weights `analysis.compiled_flops.dot_flops` needs for the tick switch."""
-  counts = np.bincount(branch_table(schedule).ravel(), minlength=len(BRANCHES))
-  return [float(c) / schedule.op.size for c in counts]
+  runs = {kind: max(int((op == kind).sum()), 1) for kind in (F, B, W)}
+  return {"pipeline_F": float((op == F).sum()) / op.size,
+          "pipeline_B": float((op == B).sum()) / op.size,
+          "pipeline_W": float((op == W).sum()) / op.size,
+          "pipeline_F_head": float(((op == F) & last).sum()) / runs[F],
+          "pipeline_B_head": float(((op == B) & last).sum()) / runs[B],
+          "pipeline_W_head": float(((op == W) & last).sum()) / runs[W],
+          "pipeline_B_embed": float(((op == B) & first).sum()) / runs[B]}
 
 
 def to_stages(layers: Any, num_stages: int, num_chunks: int) -> Any:
@@ -107,8 +102,8 @@ def from_stages(staged: Any) -> Any:
 
 
 def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
-  """Types values invariant over `axes` as varying, as every branch's outputs
-  must be (an invariant zero and a computed value do not match)."""
+  """Types values invariant over `axes` as varying, as both branches'
+  outputs must be (an invariant zero and a computed value do not match)."""
   def cast(x):
     varying = varying_axes(x)
     missing = tuple(a for a in axes if a not in varying)
@@ -120,12 +115,33 @@ def _take(tree: Any, i: jax.Array) -> Any:
   return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
 
 
+def _at(tree: Any, *index: jax.Array) -> Any:
+  """Each leaf at `index` of its leading dimensions."""
+  def at(x):
+    start = (*index, *(0,) * (x.ndim - len(index)))
+    return lax.dynamic_slice(x, start, (*(1,) * len(index), *x.shape[len(index):])).reshape(
+        x.shape[len(index):])
+  return jax.tree.map(at, tree)
+
+
 def _read(buffers: Any, slot: jax.Array) -> Any:
   return _take(buffers, jnp.maximum(slot, 0))
 
 
-def _put(buffers: Any, slot: jax.Array, value: Any) -> Any:
-  """Writes `value` into `slot` of each buffer; slot -1 writes nothing."""
+def _write(buffers: Any, index: jax.Array | tuple, value: Any) -> Any:
+  """`value` into each buffer at `index` of its leading dimensions (slots the
+  table names: never -1)."""
+  index = index if isinstance(index, tuple) else (index,)
+
+  def write(buffer, x):
+    start = (*index, *(0,) * (buffer.ndim - len(index)))
+    return lax.dynamic_update_slice(buffer, x.reshape(*(1,) * len(index), *x.shape).astype(
+        buffer.dtype), start)
+  return jax.tree.map(write, buffers, value)
+
+
+def _arrive(buffers: Any, slot: jax.Array, value: Any) -> Any:
+  """Writes what arrived into `slot` of each buffer; slot -1 writes nothing."""
   i = jnp.maximum(slot, 0)
 
   def put(buffer, x):
@@ -134,11 +150,9 @@ def _put(buffers: Any, slot: jax.Array, value: Any) -> Any:
   return jax.tree.map(put, buffers, value)
 
 
-def _add_at(tree: Any, i: jax.Array, update: Any) -> Any:
-  return jax.tree.map(
-      lambda acc, u: lax.dynamic_update_index_in_dim(
-          acc, lax.dynamic_index_in_dim(acc, i, 0, keepdims=False) + u.astype(acc.dtype), i, 0),
-      tree, update)
+def _add_at(tree: Any, index: tuple, update: Any) -> Any:
+  """`update` added into each leaf at `index` of its leading dimensions."""
+  return _write(tree, index, _add(_at(tree, *index), update))
 
 
 def _add(acc: Any, update: Any) -> Any:
@@ -147,6 +161,221 @@ def _add(acc: Any, update: Any) -> Any:
 
 def _zeros(structs: Any, lead: tuple[int, ...] = (), dtype=None) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(lead + tuple(s.shape), dtype or s.dtype), structs)
+
+
+def _unchanged(state: dict) -> dict:
+  return state
+
+
+def _branch(scope: str, taken: jax.Array, run: Callable, skipped: Callable, state: dict):
+  """`lax.cond(taken, run, skipped, state)` under a named scope."""
+  with jax.named_scope(scope):
+    return lax.cond(taken, run, skipped, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage's work inside the shard_map: the model pieces at its weights
+  and the step's microbatches. Buffers and sums travel in a `state` dict
+  (`initial_state`); each op takes a state and the tick's row of the table
+  at this stage (`op`), and gives back a state."""
+  index: jax.Array  # this stage, axis_index("pipeline")
+  num_stages: int
+  num_chunks: int
+  embed_p: Any
+  layers_VxLc: Any  # this stage's chunks, [V, Lc, ...] leaves
+  num_layers: int   # Lc, layers per chunk
+  head_p: Any
+  inputs: jax.Array  # [M, B, L]
+  aux: dict          # the other [M, B, L] arrays
+  embed_fn: Callable
+  layer_fn: Callable
+  loss_fn: Callable
+  scale: float       # each microbatch's loss weighs 1 / (M x the devices splitting it)
+  zeros_x: jax.Array  # one microbatch's activation, typed varying like every sent value
+  manual: tuple[str, ...]
+  layer: SplitVjp | None = None  # the layer's and the head's split backward (None: forward only)
+  head: SplitVjp | None = None
+
+  def sent(self, x: jax.Array) -> jax.Array:
+    """An activation or its gradient, typed like every value a stage sends."""
+    return _varying(x, self.manual)
+
+  def first(self, op) -> jax.Array:
+    return (self.index == 0) & (op["chunk"] == 0)
+
+  def last(self, op) -> jax.Array:
+    return (self.index == self.num_stages - 1) & (op["chunk"] == self.num_chunks - 1)
+
+  def layer_weights(self, v, l):
+    """Layer l of chunk v's weights."""
+    return _at(self.layers_VxLc, v, l)
+
+  def chunk_forward(self, op, x, aux, state: dict) -> tuple[jax.Array, dict]:
+    """The chunk's layers on x, each layer's residuals written straight into
+    the op's `res` slot."""
+    def body(carry, l):
+      x, state = carry
+      p = self.layer_weights(op["chunk"], l)
+      if not self.layer:
+        return (self.layer_fn(p, x, aux), state), None
+      y, res = self.layer.forward(p, x, aux)
+      return (y, {**state, "res": _write(state["res"], (op["res_slot"], l), res)}), None
+    return lax.scan(body, (x, state), jnp.arange(self.num_layers))[0]
+
+  def forward(self, op, state: dict) -> dict:
+    """F: the chunk on its input (the embedding's output on chunk 0), its
+    residuals into the `res` slot, its output into `send_act`; after the last
+    chunk the head and the loss."""
+    def run(state):
+      aux = _take(self.aux, op["mb"])
+      # A select, not a conditional: XLA requires both branches of one to lay
+      # out their results alike, and the embedding's layout is the model's.
+      x = jnp.where(self.first(op), self.embed_fn(self.embed_p, self.inputs[op["mb"]]),
+                    _read(state["act"], op["act_slot"]))
+      y, state = self.chunk_forward(op, x, aux, state)
+
+      def head(state):
+        if not self.head:
+          return {**state, "loss": state["loss"] + self.loss_fn(self.head_p, y, aux) * self.scale}
+        loss, head_res = self.head.forward(self.head_p, y, aux)
+        return {**state, "loss": state["loss"] + loss.astype(jnp.float32),
+                "head_res": _write(state["head_res"], op["head_res_slot"], head_res)}
+      state = _branch("pipeline_F_head", self.last(op), head, _unchanged, state)
+      return {**state, "send_act": self.sent(y)}
+    return _branch("pipeline_F", op["op"] == F, run, _unchanged, state)
+
+  def backward_input(self, op, state: dict) -> dict:
+    """B: the chunk's input gradient from its output gradient (the loss's on
+    the last chunk) into `send_grad`, what W needs into the `cut` slot;
+    before chunk 0 the embedding's weight gradient (a scatter-add: no W)."""
+    def run(state):
+      aux = _take(self.aux, op["mb"])
+
+      def from_loss(state):  # its gradient lands in `send_grad`, which B overwrites with dx
+        seed = _varying(jnp.ones((), jnp.float32), self.manual)
+        dy, head_cut = self.head.backward_input(
+            self.head_p, aux, _read(state["head_res"], op["head_res_slot"]), seed)
+        return {**state, "send_grad": self.sent(dy),
+                "head_cut": _write(state["head_cut"], op["head_cut_slot"], head_cut)}
+      # Conditionals here return the state alone: one that also returned dy
+      # made XLA copy whole buffers around it.
+      state = _branch("pipeline_B_head", self.last(op), from_loss, _unchanged, state)
+      dy = jnp.where(self.last(op), state["send_grad"], _read(state["grad"], op["grad_slot"]))
+
+      def body(carry, l):  # each layer's cut written straight into the op's slot
+        dy, state = carry
+        dx, cut = self.layer.backward_input(self.layer_weights(op["chunk"], l), aux,
+                                            _at(state["res"], op["res_slot"], l), dy)
+        return (dx, {**state, "cut": _write(state["cut"], (op["cut_slot"], l), cut)}), None
+      dx, state = lax.scan(body, (dy, state), jnp.arange(self.num_layers), reverse=True)[0]
+
+      def into_embedding(state):
+        _, vjp = jax.vjp(lambda p: self.embed_fn(p, self.inputs[op["mb"]]), self.embed_p)
+        return {**state, "embed_g": _add(state["embed_g"], vjp(dx)[0])}
+      state = _branch("pipeline_B_embed", self.first(op), into_embedding, _unchanged, state)
+      return {**state, "send_grad": self.sent(dx)}
+    return _branch("pipeline_B", op["op"] == B, run, _unchanged, state)
+
+  def backward_weight(self, op, state: dict) -> dict:
+    """W: the chunk's weight gradients (and the head's after the last chunk)
+    from its residuals and B's cut, added into the sums."""
+    def run(state):
+      aux = _take(self.aux, op["mb"])
+
+      def body(layers_g, l):  # each layer's gradients added where they are summed
+        v = op["chunk"]
+        g = self.layer.backward_weight(self.layer_weights(v, l), aux,
+                                       _at(state["res"], op["res_slot"], l),
+                                       _at(state["cut"], op["cut_slot"], l))
+        return _add_at(layers_g, (v, l), g), None
+      layers_g = lax.scan(body, state["layers_g"], jnp.arange(self.num_layers))[0]
+      state = {**state, "layers_g": layers_g}
+
+      def head(state):
+        head_g = self.head.backward_weight(self.head_p, aux,
+                                           _read(state["head_res"], op["head_res_slot"]),
+                                           _read(state["head_cut"], op["head_cut_slot"]))
+        return {**state, "head_g": _add(state["head_g"], head_g)}
+      return _branch("pipeline_W_head", self.last(op), head, _unchanged, state)
+    return _branch("pipeline_W", op["op"] == W, run, _unchanged, state)
+
+  def tick(self, state: dict, row: dict) -> tuple[dict, None]:
+    """One tick of the table: arrivals, this stage's op, the two sends."""
+    sends = row.pop("sends")  # [act, grad]: whether any stage receives one next tick
+    op = {name: column[self.index] for name, column in row.items()}
+    state = {**state, "act": _arrive(state["act"], op["act_recv_slot"], state["act_in"])}
+    state = self.forward(op, state)
+    state = self.send(sends[0], state, "send_act", "act_in", +1)
+    if self.layer:
+      state["grad"] = _arrive(state["grad"], op["grad_recv_slot"], state["grad_in"])
+      state = self.backward_weight(op, self.backward_input(op, state))
+      state = self.send(sends[1], state, "send_grad", "grad_in", -1)
+    return state, None
+
+  def send(self, needed: jax.Array, state: dict, out: str, arrived: str, step: int) -> dict:
+    """Every stage sends `out` one step along the ring (+1 right, -1 left)
+    where the tick's row says some stage receives one: the same on every
+    stage, so every stage runs the same collectives. What a stage that ran
+    no F (B) sends lands in no slot."""
+    pairs = [(i, (i + step) % self.num_stages) for i in range(self.num_stages)]
+
+    def exchange(state):
+      return {**state, arrived: lax.ppermute(state[out], AXIS, pairs)}
+    return lax.cond(needed, exchange, _unchanged, state)
+
+
+def initial_state(stage: Stage, schedule: Schedule) -> dict:
+  """Zero buffers, each with the slots the table uses, and zero float32 sums
+  (whatever the weights' dtype, so M microbatches of bfloat16 gradients add
+  up without rounding); forward only: the activations and the loss."""
+  x = stage.zeros_x
+
+  def buffer(structs, name, lead=()):
+    return _varying(_zeros(structs, (max(schedule.num_slots(name), 1), *lead)), stage.manual)
+  state = {"act": buffer(x, "act"), "act_in": x, "send_act": x, "loss": _varying(jnp.zeros((), jnp.float32),
+                                                                  stage.manual)}
+  if stage.layer is None:
+    return state
+  num_layers = stage.num_layers
+  sums = {"layers_g": stage.layers_VxLc, "embed_g": stage.embed_p, "head_g": stage.head_p}
+  return {**state, "grad": buffer(x, "grad"), "grad_in": x, "send_grad": x,
+          "res": buffer(stage.layer.stash, "res", (num_layers,)),
+          "cut": buffer(stage.layer.cut, "cut", (num_layers,)),
+          "head_res": buffer(stage.head.stash, "head_res"),
+          "head_cut": buffer(stage.head.cut, "head_cut"),
+          **_varying({k: _zeros(v, dtype=jnp.float32) for k, v in sums.items()}, stage.manual)}
+
+
+def _run(schedule: Schedule, pieces: dict, split_axes: tuple[str, ...], manual: tuple[str, ...],
+         scale: float, embed_p, layers_VxLc, head_p, microbatches: dict):
+  """One device's share of the pipeline: (loss, grads) summed over its stage
+  (gradients None for a forward-only table)."""
+  microbatches = _varying(microbatches, (AXIS,))  # every stage has them, typed like activations
+  embed_p, head_p = _varying((embed_p, head_p), manual)
+  aux = {k: v for k, v in microbatches.items() if k != "inputs"}
+  x_struct = jax.eval_shape(pieces["embed_fn"], embed_p, microbatches["inputs"][0])
+  stage = Stage(lax.axis_index(AXIS), schedule.num_stages, schedule.num_chunks, embed_p,
+                layers_VxLc, jax.tree.leaves(layers_VxLc)[0].shape[1], head_p, microbatches["inputs"], aux, **pieces, scale=scale,
+                zeros_x=_varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual),
+                manual=manual)
+  if schedule.has_backward:  # the vjps are traced where they run, at one layer's shapes
+    aux0, one_layer = _take(aux, 0), jax.tree.map(lambda x: x[0, 0], layers_VxLc)
+    stage = dataclasses.replace(
+        stage, layer=split_vjp(pieces["layer_fn"], one_layer, stage.zeros_x, aux0),
+        head=split_vjp(lambda p, x, a: pieces["loss_fn"](p, x, a) * scale, head_p, stage.zeros_x,
+                       aux0))
+  tables = {name: getattr(schedule, name) for name in ("op", "mb", "chunk", *SLOT_FIELDS)}
+  tables["sends"] = schedule.sends()
+  state, _ = lax.scan(stage.tick, initial_state(stage, schedule), tables)
+  summed = (AXIS, *split_axes)
+  loss = lax.psum(state["loss"], summed)
+  if stage.layer is None:
+    return loss, None
+  layers_g = lax.psum(state["layers_g"], split_axes) if split_axes else state["layers_g"]
+  return loss, {"embed": lax.psum(state["embed_g"], summed),
+                "layers": jax.tree.map(lambda g: g[:, None], layers_g),
+                "head": lax.psum(state["head_g"], summed)}
 
 
 def _check(schedule: Schedule, mesh: Mesh, microbatches: dict[str, jax.Array]) -> None:
@@ -205,184 +434,33 @@ def pipeline_loss_and_grads(
     per tick, and none inside a branch that only some stages take.
   """
   _check(schedule, mesh, microbatches)
-  num_stages, num_chunks = schedule.num_stages, schedule.num_chunks
-  backward = schedule.has_backward
   # Axes that split the microbatch but no weight: each device sums its own gradients.
   split_axes = (*batch_axes, *([length_axis] if length_axis else []))
   replica = (replica_axis,) if replica_axis else ()
-  summed = (AXIS, *split_axes)  # what the loss and the embed and head gradients add up over
-  manual = (*summed, *replica)
+  manual = (AXIS, *split_axes, *replica)
   # Each device's loss is the mean over its equal share of a microbatch.
   scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
-  batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
-  fields = ("op", "mb", "chunk", *schedules.SLOT_FIELDS)
-  tables = {name: getattr(schedule, name) for name in fields}
-  tables["branch"] = branch_table(schedule)
+  run = functools.partial(_run, schedule, dict(embed_fn=embed_fn, layer_fn=layer_fn,
+                                               loss_fn=loss_fn), split_axes, manual, scale)
 
-  def run(embed_p, layers_Vx1xLc, head_p, microbatches):
+  def device(embed_p, layers_Vx1xLc, head_p, microbatches):
     if replica:  # this device's replica
       embed_p, layers_Vx1xLc, head_p = jax.tree.map(lambda x: x[0],
                                                     (embed_p, layers_Vx1xLc, head_p))
-    loss, grads = run_replica(embed_p, layers_Vx1xLc, head_p, microbatches)
+    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), (*split_axes, *replica))
+    loss, grads = run(embed_p, layers_VxLc, head_p, microbatches)
     return jax.tree.map(lambda x: x[None], (loss, grads)) if replica else (loss, grads)
 
-  def run_replica(embed_p, layers_Vx1xLc, head_p, microbatches):
-    stage = lax.axis_index(AXIS)
-    # Every stage has every microbatch; typed varying like the activations they meet.
-    microbatches = _varying(microbatches, (AXIS,))
-    inputs = microbatches["inputs"]
-    aux_all = {k: v for k, v in microbatches.items() if k != "inputs"}
-    # The vjps differentiate weights typed varying: the transpose of the
-    # implicit invariant->varying cast would be a psum in every tick.
-    embed_p, head_p = _varying((embed_p, head_p), manual)
-    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), (*split_axes, *replica))
-    one_layer = jax.tree.map(lambda x: x[0, 0], layers_VxLc)
-    aux0 = _take(aux_all, 0)
-    x_struct = jax.eval_shape(embed_fn, embed_p, inputs[0])
-    zeros_x = _varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual)
-    if backward:
-      layer = split_vjp(layer_fn, one_layer, zeros_x, aux0)
-      head = split_vjp(lambda p, x, aux: loss_fn(p, x, aux) * scale, head_p, zeros_x, aux0)
-    num_layers = jax.tree.leaves(layers_VxLc)[0].shape[1]
-
-    def chunk_forward(v, x, aux):
-      def body(x, p):
-        return layer.forward(p, x, aux) if backward else (layer_fn(p, x, aux), [])
-      return lax.scan(body, x, _take(layers_VxLc, v))
-
-    def chunk_backward_input(v, res_Lc, aux, dy):
-      def body(dy, p_res):
-        return layer.backward_input(*p_res[:1], aux, p_res[1], dy)
-      return lax.scan(body, dy, (_take(layers_VxLc, v), res_Lc), reverse=True)
-
-    def chunk_backward_weight(v, res_Lc, cut_Lc, aux):
-      def body(_, p_res_cut):
-        p, res, cut = p_res_cut
-        return None, layer.backward_weight(p, aux, res, cut)
-      return lax.scan(body, None, (_take(layers_VxLc, v), res_Lc, cut_Lc))[1]
-
-    # Every branch: (acc, op, x, dy, res, cut, head_res, head_cut) ->
-    #   (acc, y, dx, res, cut, head_res, head_cut), unused outputs zero.
-    def out(acc, y=None, dx=None, res=None, cut=None, head_res=None, head_cut=None):
-      return (acc, zeros_x if y is None else y, zeros_x if dx is None else dx,
-              zero_res if res is None else res, zero_cut if cut is None else cut,
-              zero_head_res if head_res is None else head_res,
-              zero_head_cut if head_cut is None else head_cut)
-
-    def idle(acc, op, x, dy, res, cut, head_res, head_cut):
-      return out(acc)
-
-    def f(acc, op, x, dy, res, cut, head_res, head_cut):
-      y, res = chunk_forward(op["chunk"], x, _take(aux_all, op["mb"]))
-      return out(acc, y=y, res=res)
-
-    def f_first(acc, op, x, dy, res, cut, head_res, head_cut):
-      return f(acc, op, embed_fn(embed_p, inputs[op["mb"]]), dy, res, cut, head_res, head_cut)
-
-    def f_last(acc, op, x, dy, res, cut, head_res, head_cut):
-      aux = _take(aux_all, op["mb"])
-      y, res = chunk_forward(op["chunk"], x, aux)
-      if backward:
-        loss, head_res = head.forward(head_p, y, aux)
-      else:
-        loss, head_res = loss_fn(head_p, y, aux) * scale, None
-      acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
-      return out(acc, res=res, head_res=head_res)
-
-    def b(acc, op, x, dy, res, cut, head_res, head_cut):
-      dx, cut = chunk_backward_input(op["chunk"], res, _take(aux_all, op["mb"]), dy)
-      return out(acc, dx=dx, cut=cut)
-
-    def b_first(acc, op, x, dy, res, cut, head_res, head_cut):
-      """B of chunk 0, continued into the embedding (a scatter-add: no W)."""
-      acc, _, dx, _, cut, _, _ = b(acc, op, x, dy, res, cut, head_res, head_cut)
-      _, vjp = jax.vjp(lambda p: embed_fn(p, inputs[op["mb"]]), embed_p)
-      return out({**acc, "embed_g": _add(acc["embed_g"], vjp(dx)[0])}, cut=cut)
-
-    def b_last(acc, op, x, dy, res, cut, head_res, head_cut):
-      aux = _take(aux_all, op["mb"])
-      seed = jnp.ones((), jnp.float32)
-      dy, head_cut = head.backward_input(head_p, aux, head_res, _varying(seed, manual))
-      dx, cut = chunk_backward_input(op["chunk"], res, aux, dy)
-      return out(acc, dx=dx, cut=cut, head_cut=head_cut)
-
-    def w(acc, op, x, dy, res, cut, head_res, head_cut):
-      layer_g = chunk_backward_weight(op["chunk"], res, cut, _take(aux_all, op["mb"]))
-      return out({**acc, "layers_g": _add_at(acc["layers_g"], op["chunk"], layer_g)})
-
-    def w_last(acc, op, x, dy, res, cut, head_res, head_cut):
-      acc = w(acc, op, x, dy, res, cut, head_res, head_cut)[0]
-      head_g = head.backward_weight(head_p, _take(aux_all, op["mb"]), head_res, head_cut)
-      return out({**acc, "head_g": _add(acc["head_g"], head_g)})
-
-    branches = (idle, f, f_first, f_last, b, b_first, b_last, w, w_last)
-    if not backward:  # a forward-only table indexes the first four
-      branches = branches[:4]
-
-    def tick(carry, row):
-      acc, buffers, act_in, grad_in = carry
-      op = {name: column[stage] for name, column in row.items()}
-      buffers = {**buffers, "act": _put(buffers["act"], op["act_recv_slot"], act_in)}
-      if backward:
-        buffers["grad"] = _put(buffers["grad"], op["grad_recv_slot"], grad_in)
-      reads = [_read(buffers[name], op[column]) for name, column in
-               (("act", "act_slot"), ("grad", "grad_slot"), ("res", "res_slot"),
-                ("cut", "cut_slot"), ("head_res", "head_res_slot"),
-                ("head_cut", "head_cut_slot"))]
-      acc, y, dx, *writes = lax.switch(op["branch"], branches, acc, op, *reads)
-      is_f, is_b = op["op"] == schedules.F, op["op"] == schedules.B
-      for name, column, when in (("res", "res_slot", is_f), ("cut", "cut_slot", is_b),
-                                 ("head_res", "head_res_slot", is_f),
-                                 ("head_cut", "head_cut_slot", is_b)):
-        buffers[name] = _put(buffers[name], jnp.where(when, op[column], -1),
-                             writes[("res", "cut", "head_res", "head_cut").index(name)])
-      right = [(i, (i + 1) % num_stages) for i in range(num_stages)]
-      left = [(i, (i - 1) % num_stages) for i in range(num_stages)]
-      dx = lax.ppermute(dx, AXIS, left) if backward else dx
-      return (acc, buffers, lax.ppermute(y, AXIS, right), dx), None
-
-    stash_Lc = cut_Lc = head_stash = head_cut = []
-    if backward:
-      stash_Lc, cut_Lc = ([jax.ShapeDtypeStruct((num_layers, *s.shape), s.dtype) for s in structs]
-                          for structs in (layer.stash, layer.cut))
-      head_stash, head_cut = head.stash, head.cut
-    zero_res, zero_cut, zero_head_res, zero_head_cut = (
-        _varying(_zeros(s), manual) for s in (stash_Lc, cut_Lc, head_stash, head_cut))
-
-    def buffer(structs, name):
-      return _varying(_zeros(structs, (max(schedule.num_slots(name), 1),)), manual)
-
-    buffers = {"act": buffer(x_struct, "act"), "grad": buffer(x_struct if backward else [], "grad"),
-               "res": buffer(stash_Lc, "res"), "cut": buffer(cut_Lc, "cut"),
-               "head_res": buffer(head_stash, "head_res"),
-               "head_cut": buffer(head_cut, "head_cut")}
-    # Float32 sums whatever the weights' dtype, so M microbatches of
-    # bfloat16 gradients add up without rounding.
-    acc = _varying({"layers_g": _zeros(layers_VxLc, dtype=jnp.float32),
-                    "embed_g": _zeros(embed_p, dtype=jnp.float32),
-                    "head_g": _zeros(head_p, dtype=jnp.float32),
-                    "loss": jnp.zeros((), jnp.float32)}, manual)
-    if not backward:
-      acc = {"loss": acc["loss"]}
-    (acc, *_), _ = lax.scan(tick, (acc, buffers, zeros_x, zeros_x), tables)
-    loss = lax.psum(acc["loss"], summed)
-    if not backward:
-      return loss, None
-    layers_g = acc["layers_g"]
-    if split_axes:
-      layers_g = lax.psum(layers_g, split_axes)
-    return loss, {"embed": lax.psum(acc["embed_g"], summed),
-                  "layers": jax.tree.map(lambda g: g[:, None], layers_g),
-                  "head": lax.psum(acc["head_g"], summed)}
-
   whole, by_stage = PartitionSpec(*replica), PartitionSpec(*replica, None, AXIS)
-  grads_spec = {"embed": whole, "layers": by_stage, "head": whole} if backward else None
-  staged = functools.partial(to_stages, num_stages=num_stages, num_chunks=num_chunks)
+  grads_spec = {"embed": whole, "layers": by_stage, "head": whole} if schedule.has_backward else None
+  staged = functools.partial(to_stages, num_stages=schedule.num_stages,
+                             num_chunks=schedule.num_chunks)
   unstaged = from_stages
   if replica:  # the same per replica
     staged, unstaged = jax.vmap(staged), jax.vmap(unstaged)
+  batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
   loss, grads = jax.shard_map(
-      run, mesh=mesh, axis_names=set(manual),
+      device, mesh=mesh, axis_names=set(manual),
       in_specs=(whole, by_stage, whole, batch_spec),
       out_specs=(whole, grads_spec),
   )(params["embed"], staged(params["layers"]), params["head"], microbatches)

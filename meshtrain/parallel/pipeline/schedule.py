@@ -100,6 +100,13 @@ class Schedule:
   def num_slots(self, buffer: str) -> int:
     return max(self.slots_per_stage(buffer))
 
+  def sends(self) -> np.ndarray:
+    """[ticks, 2] bool: whether some stage receives an activation (column 0)
+    or a gradient (column 1) at the next tick, so that every stage sends
+    one after this tick."""
+    arrives = np.stack([(self.act_recv_slot >= 0).any(1), (self.grad_recv_slot >= 0).any(1)], 1)
+    return np.concatenate([arrives[1:], np.zeros((1, 2), bool)])
+
 
 # Building from per-stage op orders.
 
