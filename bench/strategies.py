@@ -25,7 +25,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from meshtrain.analysis.plan import analytic  # noqa: E402
@@ -34,6 +33,7 @@ from meshtrain.config import load  # noqa: E402
 from meshtrain.data import make_iterator  # noqa: E402
 from meshtrain.train.loop import to_global  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
+from meshtrain.train.state import merged  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -68,16 +68,18 @@ def small_config(changes):
 
 
 class PlainRunner:
-  """The baseline: meshtrain's model and optimizer stepped by plain `jax.jit`,
-  no rules and no meshtrain step; the batch split over `devices`."""
+  """The baseline: `cfg`'s model and optimizer stepped by plain `jax.jit`, no
+  rules and no meshtrain step; the batch split over `devices`, the weights
+  replicated. `spec` replaces the model by another of the same weights (a
+  plain loop over experts)."""
 
-  def __init__(self, devices):
-    cfg = small_config({})
+  def __init__(self, devices, cfg, spec=None):
     setup = build(cfg)
-    graphdef, optimizer = setup.spec.graphdef, setup.optimizer
+    spec, optimizer = spec or setup.spec, setup.optimizer
     mesh = Mesh(np.array(devices), ("batch",))
     replicated = NamedSharding(mesh, P())
-    params = jax.device_put(jax.device_get(setup.init_state().params), replicated)
+    initial = jax.device_get(setup.init_state())
+    params, model_state = jax.device_put((initial.params, initial.model_state), replicated)
     self.state = (params, jax.jit(optimizer.init, out_shardings=replicated)(params))
     batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                             vocab_size=cfg.model.vocab_size, seed=0)
@@ -86,7 +88,7 @@ class PlainRunner:
     def step(state, batch):
       params, opt_state = state
       def loss_fn(p):
-        logits = nnx.merge(graphdef, p)(batch["inputs"])
+        logits = merged(spec, p, model_state)(batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
       loss, grads = jax.value_and_grad(loss_fn)(params)
       updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -119,10 +121,9 @@ class PlainRunner:
 
 
 class Runner(PlainRunner):
-  """One strategy of meshtrain: compiled step, its state and data, and its step times."""
+  """`cfg` trained by meshtrain: compiled step, its state and data, and its step times."""
 
-  def __init__(self, changes):
-    cfg = small_config(changes)
+  def __init__(self, cfg):
     self.setup = build(cfg)
     self.state = self.setup.init_state()
     batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -142,21 +143,27 @@ class Runner(PlainRunner):
     jax.block_until_ready(metrics)
 
 
+def time_in_turns(runners: dict, steps: int, rounds: int) -> dict:
+  """Times the runners taking turns, `steps` steps each per round; returns
+  each one's collective bytes of a step as it ran (profiled after timing)."""
+  for round_ in range(rounds):
+    for name, runner in runners.items():
+      print(f"round {round_ + 1}: {name}", flush=True)
+      runner.timed(steps)
+  return {name: runner.collective_bytes() for name, runner in runners.items()}
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args()
-  runners = {"plain jax, data 8 (baseline)": PlainRunner(jax.devices()),
-             "plain jax, 1 device": PlainRunner(jax.devices()[:1])}
+  runners = {"plain jax, data 8 (baseline)": PlainRunner(jax.devices(), small_config({})),
+             "plain jax, 1 device": PlainRunner(jax.devices()[:1], small_config({}))}
   for name, changes in STRATEGIES.items():
     print(f"compiling {name}", flush=True)
-    runners[name] = Runner(changes)
-  for round_ in range(args.rounds):
-    for name, runner in runners.items():
-      print(f"round {round_ + 1}: {name}", flush=True)
-      runner.timed(args.steps)
-  measured = {name: runner.collective_bytes() for name, runner in runners.items()}  # after timing
+    runners[name] = Runner(small_config(changes))
+  measured = time_in_turns(runners, args.steps, args.rounds)
   baseline = np.median(runners["plain jax, data 8 (baseline)"].times)
   dp = np.median(runners["dp (zero 0)"].times)
   rows = [{"strategy": name, "step_time_ratio": float(np.median(r.times) / baseline),

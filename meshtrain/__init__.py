@@ -41,6 +41,8 @@ from meshtrain.rules import (
     AXIS_RULES,
     BATCH,
     EMBED,
+    EXPERT_MLP,
+    EXPERTS,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -67,7 +69,8 @@ from meshtrain.trainer import Placement, Trainer, linen_spec
 
 __all__ = [
     "ACTIVATION_NAMES", "ACT_EMBED", "ACT_HEADS", "ACT_KV_HEADS", "ACT_MLP", "ACT_VOCAB", "AXES",
-    "AXIS_RULES", "BATCH", "CATCH_ALL", "EMBED", "FLAX_LAYERS", "FLAX_TRANSFORMER", "GEMMA_NAMES",
+    "AXIS_RULES", "BATCH", "CATCH_ALL", "EMBED", "EXPERTS", "EXPERT_MLP",
+    "FLAX_LAYERS", "FLAX_TRANSFORMER", "GEMMA_NAMES",
     "HEADS", "HEAD_DIM", "HF_FLAX_NAMES", "KV_HEADS", "LAYERS", "LENGTH", "LINEN_AUTO_NAMES",
     "LOGICAL_NAMES", "MLP", "ModelSpec", "NORM", "Placement", "RES_LENGTH", "ShardingRules",
     "TENSOR_SEQUENCE_PARALLEL", "TrainState", "Trainer", "VOCAB", "VerifyReport", "WEIGHT_NAMES",

@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.remat = "none"              # activation recomputation per layer: none | full | selective
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
   c.zero_stage = 0              # over `data`: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + weights
+  c.expert_parallel = "fsdp"    # MoE: mesh axes that split the experts, e.g. "data,fsdp" (docs/moe.md)
   c.simulate_devices = 0        # >0: run on this many simulated CPU devices
   c.peak_flops = 0.0            # peak FLOP/s of one device for MFU (0: unknown, mfu is null)
   c.log_every = 10              # steps between metric fetches (the only host syncs in the loop)
@@ -59,6 +60,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths > original/low are divided by factor
   c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths < original/high are kept
   c.model.rope_original_max_positions = 8192  # llama3: the context length before scaling
+  c.model.moe = ml_collections.ConfigDict()  # Mixture-of-Experts MLP (docs/moe.md)
+  c.model.moe.num_experts = 0         # routed experts per MoE layer (0: the dense SwiGLU MLP)
+  c.model.moe.experts_per_token = 2   # k: experts each token goes to
+  c.model.moe.mlp_dim = 0             # each expert's SwiGLU hidden size (0: model.mlp_dim)
+  c.model.moe.shared_mlp_dim = 0      # a dense SwiGLU beside the routed experts (0: none; DeepSeek, Qwen2-MoE)
+  c.model.moe.first_dense_layers = 0  # leading layers that keep the dense MLP (DeepSeek-V3: 3)
+  c.model.moe.router = "softmax"      # expert scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+  c.model.moe.normalize_top_k = True  # renormalise the k chosen scores to sum to 1 (Mixtral; Qwen3's norm_topk_prob)
+  c.model.moe.route_scale = 1.0       # multiplies the k weights (DeepSeek-V3: 2.5)
+  c.model.moe.aux_loss_coef = 0.01    # switch load-balancing loss, 1.0 x coef when balanced (0: off)
+  c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing step (0: off; 1e-3)
+  c.model.moe.capacity_factor = 0.0   # 0: dropless; c > 0: an expert takes ceil(c x L x k / E) tokens per sequence
 
   c.attention = ml_collections.ConfigDict()
   c.attention.sequence_strategy = "all_gather_kv"  # when mesh.sequence > 1: all_gather_kv | ulysses | ring

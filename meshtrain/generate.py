@@ -12,6 +12,7 @@ head); only attention differs from `Llama.__call__`: it reads the cache.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,32 +68,46 @@ def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.A
                        cache: tuple[jax.Array, jax.Array], start: jax.Array, first_B: jax.Array):
   """Logits of `tokens` written into cache slots [start, start + S), attending
   to slots from each row's first real one (`first_B`) up to their own.
-  Returns (float32 logits [B, S, V], updated cache)."""
+  The cache holds every layer's keys and values, an MoE model's leading
+  dense layers first. Returns (float32 logits [B, S, V], updated cache)."""
   cfg, (length, slots) = model.cfg, (tokens_BxS.shape[1], cache[0].shape[2])
   slot_S = start + jnp.arange(length)
   visible_BxSxT = ((jnp.arange(slots)[None, None, :] <= slot_S[None, :, None])
                    & (jnp.arange(slots)[None, None, :] >= first_B[:, None, None]))
-  graphdef, layer_state = nnx.split(model.layers)
-
-  def layer(x_BxSxD, inputs):
-    state, k_BxTxKxH, v_BxTxKxH = inputs
-    block = nnx.merge(graphdef, state)
-    q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = block.attn.project_qkv(block.attn_norm(x_BxSxD))
-    q_BxSxNxH = rotary(q_BxSxNxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
-    k_BxSxKxH = rotary(k_BxSxKxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
-    k_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxH, k_BxSxKxH.astype(k_BxTxKxH.dtype),
-                                                    start, axis=1)
-    v_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxH, v_BxSxKxH.astype(v_BxTxKxH.dtype),
-                                                    start, axis=1)
-    out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH,
-                                               mask=visible_BxSxT[:, None])
-    x_BxSxD = x_BxSxD + jnp.einsum("bsnh,nhd->bsd", out_BxSxNxH,
-                                   block.attn.wo_NxHxD[...].astype(x_BxSxD.dtype))
-    x_BxSxD = x_BxSxD + block.mlp(block.mlp_norm(x_BxSxD))
-    return x_BxSxD, (k_BxTxKxH, v_BxTxKxH)
-
-  x_BxSxD, cache = jax.lax.scan(layer, model.embed(tokens_BxS), (layer_state, *cache))
+  stacks = [layers for layers in (model.dense_layers, model.layers) if layers is not None]
+  x_BxSxD, updated = model.embed(tokens_BxS), []
+  first = 0
+  for layers in stacks:
+    graphdef, layer_state = nnx.split(layers)
+    count = jax.tree.leaves(layer_state)[0].shape[0]
+    x_BxSxD, stack_cache = jax.lax.scan(
+        functools.partial(_cached_layer, graphdef, positions_BxS, start, visible_BxSxT),
+        x_BxSxD, (layer_state, *(c[first:first + count] for c in cache)))
+    updated.append(stack_cache)
+    first += count
+  cache = tuple(jnp.concatenate(parts) for parts in zip(*updated))
   return model.head(x_BxSxD, model.embed.table() if cfg.tie_embeddings else None), cache
+
+
+def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.Array,
+                  visible_BxSxT: jax.Array, x_BxSxD: jax.Array, inputs):
+  """One block on S new tokens, its keys and values written into its cache slice."""
+  state, k_BxTxKxH, v_BxTxKxH = inputs
+  block = nnx.merge(graphdef, state)
+  cfg = block.attn.cfg
+  q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = block.attn.project_qkv(block.attn_norm(x_BxSxD))
+  q_BxSxNxH = rotary(q_BxSxNxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
+  k_BxSxKxH = rotary(k_BxSxKxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
+  k_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxH, k_BxSxKxH.astype(k_BxTxKxH.dtype),
+                                                  start, axis=1)
+  v_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxH, v_BxSxKxH.astype(v_BxTxKxH.dtype),
+                                                  start, axis=1)
+  out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH,
+                                             mask=visible_BxSxT[:, None])
+  x_BxSxD = x_BxSxD + jnp.einsum("bsnh,nhd->bsd", out_BxSxNxH,
+                                 block.attn.wo_NxHxD[...].astype(x_BxSxD.dtype))
+  x_BxSxD = x_BxSxD + block.mlp(block.mlp_norm(x_BxSxD))
+  return x_BxSxD, (k_BxTxKxH, v_BxTxKxH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +118,7 @@ class Generator:
   mesh: Mesh
   rules: r.ShardingRules
   eos_id: int | None = None
+  model_state: dict | None = None  # an MoE model's router biases
 
   def __post_init__(self):
     bad = [axis for axis in ("pipeline", "sequence") if self.mesh.shape[axis] > 1]
@@ -125,16 +141,21 @@ class Generator:
     prefill, decode = self._compiled(rows, prompt_len + max_tokens, sampling)
     key = jax.random.key(seed)
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules.params):
-      token_B, cache = prefill(self.params, tokens_BxP, first_B, key)
+      token_B, cache = prefill(self.weights, tokens_BxP, first_B, key)
       generated = [token_B]
       for step in tqdm(range(1, max_tokens), desc="generate", unit="token", leave=False):
-        token_B, cache = decode(self.params, token_B, cache, prompt_len + step - 1, first_B,
+        token_B, cache = decode(self.weights, token_B, cache, prompt_len + step - 1, first_B,
                                 jax.random.fold_in(key, step))
         generated.append(token_B)
         if step % 16 == 0 and self._all_ended(generated, len(prompts)):
           break
     tokens_BxN = np.stack(jax.device_get(generated), axis=1)[:len(prompts)]
     return [self._until_eos(row.tolist()) for row in tokens_BxN]
+
+  @property
+  def weights(self) -> tuple:
+    """What the module is merged from: the parameters, and any model state."""
+    return (self.params,) + ((self.model_state,) if self.model_state is not None else ())
 
   def _all_ended(self, generated: list[jax.Array], rows: int) -> bool:
     """Whether each of the first `rows` rows (the prompts, not the spare rows) has ended."""
@@ -155,15 +176,15 @@ class Generator:
       zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
       return r.constrain(zeros, CACHE_NAMES), r.constrain(zeros, CACHE_NAMES)
 
-    def prefill(params, tokens_BxP, first_B, key):
-      model = nnx.merge(graphdef, params)
+    def prefill(weights, tokens_BxP, first_B, key):
+      model = nnx.merge(graphdef, *weights)
       positions_BxP = jnp.maximum(jnp.arange(tokens_BxP.shape[1])[None] - first_B[:, None], 0)
       logits_BxPxV, cache = forward_with_cache(model, tokens_BxP, positions_BxP, fresh_cache(model),
                                                jnp.int32(0), first_B)
       return sample(logits_BxPxV[:, -1], key, sampling), cache
 
-    def decode(params, token_B, cache, slot, first_B, key):
-      model = nnx.merge(graphdef, params)
+    def decode(weights, token_B, cache, slot, first_B, key):
+      model = nnx.merge(graphdef, *weights)
       positions_Bx1 = (slot - first_B)[:, None]
       logits_Bx1xV, cache = forward_with_cache(model, token_B[:, None], positions_Bx1, cache, slot,
                                                first_B)
@@ -188,4 +209,6 @@ def from_workdir(workdir, step: int, setup: Setup, eos_id: int | None) -> Genera
   """A generator with the weights of checkpoint `step` of `workdir` on `setup`'s mesh."""
   shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
   params = saved_run.load_params(workdir, step, setup.spec.abstract_params, shardings)
-  return Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id)
+  model_state = saved_run.load_model_state(workdir, step, setup.abstract_state().model_state,
+                                           setup.shardings.model_state)
+  return Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id, model_state)

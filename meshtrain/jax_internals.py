@@ -11,7 +11,8 @@ an upgrade that changes one fails there first, by name, not deep in a step.
   parameters    what analysis/residuals.py reads of primitives' parameters to
                 carry layouts through a jaxpr (`param`, `PARAMS`).
   varying axes  which manual axes a value inside a `shard_map` varies over
-                (`varying_axes`): the pipeline types its branches' outputs alike.
+                (`varying_axes`, `struct_of`): the pipeline types its
+                branches' outputs and its stash buffers as their values are.
 """
 
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from jax._src.interpreters import partial_eval as _partial_eval
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxpr_as_fun
 
 __all__ = ["CALLS", "PARAMS", "ClosedJaxpr", "Jaxpr", "Literal", "Var", "call_body", "dce",
-           "jaxpr_as_fun", "param", "rebuilt", "replay", "varying_axes"]
+           "jaxpr_as_fun", "param", "rebuilt", "replay", "struct_of", "varying_axes"]
 
 # Call-like primitives and the parameter that holds their body.
 CALLS = {**{name: "jaxpr" for name in ("jit", "pjit", "closed_call", "core_call", "checkpoint",
@@ -85,7 +86,14 @@ def rebuilt(jaxpr: Jaxpr, invars: Sequence[Var], outvars: Sequence[Any],
                debug_info)
 
 
+def struct_of(aval: jax.core.ShapedArray) -> jax.ShapeDtypeStruct:
+  """The shape, dtype and varying manual axes of an abstract value."""
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=aval.manual_axis_type)
+
+
 def varying_axes(x: Any) -> tuple[str, ...]:
   """The manual mesh axes a value (or abstract value) inside a `shard_map` varies over."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return tuple(x.manual_axis_type.varying) if x.manual_axis_type is not None else ()
   aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
   return tuple(aval.manual_axis_type.varying)

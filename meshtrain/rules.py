@@ -24,15 +24,19 @@ from meshtrain.mesh import AXES
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
-# Logical names of weights.
-VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM = (
-    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
+# Logical names of weights. `experts` is the leading dimension of the routed
+# experts' weights and `expert_mlp` their hidden width: names of their own, so
+# that expert parallelism (config.expert_parallel) and expert tensor
+# parallelism never meet `embed`'s or `mlp`'s axes in one spec.
+VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP = (
+    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
+    "expert_mlp")
 # Logical names of activations. `res_length` is the length in the residual
 # stream and norms, which Megatron sequence parallelism splits over `tensor`.
 BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB = (
     "batch", "length", "res_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
     "act_vocab")
-WEIGHT_NAMES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM)
+WEIGHT_NAMES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP)
 ACTIVATION_NAMES = (BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP,
                     ACT_VOCAB)
 LOGICAL_NAMES = WEIGHT_NAMES + ACTIVATION_NAMES
@@ -40,9 +44,10 @@ LOGICAL_NAMES = WEIGHT_NAMES + ACTIVATION_NAMES
 # What each mesh axis shards, as its own rules table.
 AXIS_RULES: Mapping[str, Mapping[str, str]] = {
     "data": {BATCH: "data"},
-    "fsdp": {BATCH: "fsdp", EMBED: "fsdp"},
+    "fsdp": {BATCH: "fsdp", EMBED: "fsdp", EXPERTS: "fsdp"},
     "tensor": {name: "tensor" for name in
-               (HEADS, KV_HEADS, MLP, VOCAB, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB)},
+               (HEADS, KV_HEADS, MLP, VOCAB, EXPERT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_MLP,
+                ACT_VOCAB)},
     "sequence": {LENGTH: "sequence", RES_LENGTH: "sequence"},
     "pipeline": {LAYERS: "pipeline"},
 }
@@ -80,11 +85,15 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def strategy_rules(mesh: Mesh, zero_stage: int = 0, *, tensor_sequence_parallel: bool = False,
-                   split_kv_heads: bool = True) -> ShardingRules:
+                   split_kv_heads: bool = True,
+                   expert_axes: Sequence[str] = ("fsdp",)) -> ShardingRules:
   """The rules for every mesh axis larger than one, composed; `zero_stage`
   shards over `data` the optimizer state (1), then the gradients (2), then the
-  working weights (3) — each stage one more table gets ZERO_ON_DATA."""
-  tables = [AXIS_RULES[axis] for axis in AXES if mesh.shape[axis] > 1]
+  working weights (3) — each stage one more table gets ZERO_ON_DATA.
+  `expert_axes` split the routed experts (expert parallelism; `fsdp` by default)."""
+  tables = [{k: v for k, v in AXIS_RULES[axis].items() if k != EXPERTS}
+            for axis in AXES if mesh.shape[axis] > 1]
+  tables.append({EXPERTS: tuple(a for a in expert_axes if mesh.shape[a] > 1)})
   if mesh.shape["tensor"] > 1:
     if not split_kv_heads:
       tables = [{k: v for k, v in t.items() if k not in WHOLE_KV_HEADS} for t in tables]

@@ -15,6 +15,7 @@ through `rules={"kv": "head_dim"}`.
 """
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,6 +50,12 @@ def linen_spec(module: nn.Module, *example_inputs, seed: int = 0,
   else:
     names = names_by_path(abstract, patterns)
   return ModelSpec(lambda: nn.meta.unbox(boxed()), abstract, names)
+
+
+def _without_counts(loss_fn: Callable[[Any, dict], jax.Array], params, batch: dict,
+                    model_state):
+  """A model's `loss_fn(params, batch)` as meshtrain's step calls a loss."""
+  return loss_fn(params, batch), {}
 
 
 # Mesh axes that split weights; `data` too where ZeRO shards the optimizer state.
@@ -102,7 +109,8 @@ class Trainer:
                                          self.rules.optimizer, axes)
     self._report_coverage(max_replicated_share, strict)
     self.shardings = state_shardings(spec, optimizer, mesh, self.rules)
-    self.step = TrainStep(loss_fn, spec.names, optimizer, mesh, self.rules, self.shardings,
+    self.step = TrainStep(functools.partial(_without_counts, loss_fn), spec.names, optimizer,
+                          mesh, self.rules, self.shardings,
                           grad_accum_steps=grad_accum_steps, param_dtype=param_dtype,
                           nan_policy=nan_policy)
 

@@ -29,6 +29,7 @@ from meshtrain import distributed
 from meshtrain.data import SOURCES
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
+from meshtrain.models import moe
 from meshtrain.parallel import sequence
 from meshtrain.train import setup
 
@@ -80,6 +81,12 @@ RULES: dict[str, Rule] = {
         "mlp_dim")},
     "model.rope_theta": above(0),
     "model.norm_eps": above(0),
+    **{f"model.moe.{name}": at_least(0) for name in (
+        "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
+        "bias_update_rate", "capacity_factor")},
+    "model.moe.experts_per_token": at_least(1),
+    "model.moe.router": one_of(moe.ROUTERS),
+    "model.moe.route_scale": above(0),
     "attention.sequence_strategy": one_of(sequence.STRATEGIES),
     "attention.implementation": one_of(setup.ATTENTION),
     "pipeline.schedule": one_of(setup.schedules.SCHEDULE_NAMES),
@@ -119,6 +126,10 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
     **{f"pipeline.{name}": (lambda c, sizes: sizes and sizes["pipeline"] == 1,
                             "mesh.pipeline is 1, so no pipeline runs; set config.mesh.pipeline > 1")
        for name in ("schedule", "microbatches", "virtual_stages")},
+    **{key: (lambda c, sizes: not c.model.moe.num_experts,
+             "model.moe.num_experts is 0, so the model has no experts; set it > 0")
+       for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
+                                        if name != "num_experts")]},
 }
 
 

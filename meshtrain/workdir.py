@@ -62,8 +62,20 @@ def checkpoint_step(workdir, step: int | None) -> int:
 def load_params(workdir, step: int, abstract_params, shardings):
   """The float32 master weights of checkpoint `step`, read straight into
   `shardings` (whatever mesh wrote them); the optimizer state is not read."""
-  target = {"params": jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings)}
+  return _load_part(workdir, step, "params", abstract_params, shardings)
+
+
+def load_model_state(workdir, step: int, abstract_state, shardings):
+  """The model state (MoE router biases) of checkpoint `step`, or None for a
+  model without one."""
+  if not jax.tree.leaves(abstract_state):
+    return None
+  return _load_part(workdir, step, "model_state", abstract_state, shardings)
+
+
+def _load_part(workdir, step: int, part: str, abstract, shardings):
+  target = {part: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)}
   path = Path(workdir).absolute() / "checkpoints" / str(step) / "state"
   try:
     with ocp.PyTreeCheckpointer() as checkpointer:
@@ -74,4 +86,4 @@ def load_params(workdir, step: int, abstract_params, shardings):
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ConfigError("--workdir", f"checkpoint {step} in {workdir} cannot be read into this "
                       f"config's model ({reason})") from None
-  return restored["params"]
+  return restored[part]

@@ -21,25 +21,28 @@ from meshtrain.train.setup import build
 
 
 def meshtrain_run(cfg, batches):
-  """meshtrain's setup, initial weights, losses and final weights on `batches`."""
+  """meshtrain's setup, initial weights (and model state), losses and final
+  weights on `batches`."""
   setup = build(cfg)
   state = setup.init_state()
   initial = jax.device_get(state.params)
+  initial_model_state = jax.device_get(state.model_state)
   losses = []
   for batch in batches:
     global_batch = {k: jax.device_put(v, setup.train_step.batch_sharding) for k, v in batch.items()}
     state, metrics = setup.train_step(state, global_batch)
     losses.append(float(metrics["loss"]))
-  return setup, initial, np.array(losses), jax.device_get(state.params)
+  return setup, (initial, initial_model_state), np.array(losses), jax.device_get(state.params)
 
 
 def assert_matches_one_device(cfg, batches, reference_optimizer=None):
   """Trains `cfg` with meshtrain and the reference on `batches` (with
   `reference_optimizer`, default meshtrain's own optax optimizer); asserts their
   losses and final weights agree. Returns (initial weights, losses, final weights)."""
-  setup, initial, losses, params = meshtrain_run(cfg, batches)
+  setup, (initial, model_state), losses, params = meshtrain_run(cfg, batches)
   ref_losses, ref_params = reference_run(setup.spec.graphdef, initial,
-                                         reference_optimizer or setup.optimizer, batches)
+                                         reference_optimizer or setup.optimizer, batches,
+                                         model_state=model_state)
   chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(params, ref_params, rtol=1e-5,
                               atol=1e-3 * cfg.optimizer.learning_rate)

@@ -11,12 +11,13 @@ from flax import nnx
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "apply", "optimizer"))
-def _step(params, opt_state, batch, *, graphdef, apply, optimizer):
+def _step(params, opt_state, batch, model_state, *, graphdef, apply, optimizer):
   """One plain step: loss, gradients, update (compiled once per model and optimizer)."""
   def loss_fn(p):
     packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+    state = [model_state] if model_state is not None else []
     logits = (apply(p, batch["inputs"]) if apply
-              else nnx.merge(graphdef, p)(batch["inputs"], **packed))
+              else nnx.merge(graphdef, p, *state)(batch["inputs"], **packed))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     if "segment_ids" not in batch:
       return losses.mean()
@@ -27,10 +28,12 @@ def _step(params, opt_state, batch, *, graphdef, apply, optimizer):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=None):
+def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=None,
+                  model_state=None):
   """Losses and final parameters of len(batches) plain steps from `params`: an
-  NNX model (`graphdef`) or any `apply(params, inputs) -> logits`. With
-  `opt_state` given (a run that goes on), also returns the final one."""
+  NNX model (`graphdef`, with its `model_state` if it has one, held fixed) or
+  any `apply(params, inputs) -> logits`. With `opt_state` given (a run that
+  goes on), also returns the final one."""
   device = jax.devices()[0]
   params = jax.device_put(jax.device_get(params), device)
   goes_on = opt_state is not None
@@ -38,7 +41,8 @@ def reference_run(graphdef, params, optimizer, batches, apply=None, opt_state=No
   losses = []
   for batch in batches:
     params, opt_state, loss = _step(params, opt_state, jax.device_put(batch, device),
-                                    graphdef=graphdef, apply=apply, optimizer=optimizer)
+                                    model_state, graphdef=graphdef, apply=apply,
+                                    optimizer=optimizer)
     losses.append(float(loss))
   if goes_on:
     return np.array(losses), jax.device_get(params), opt_state

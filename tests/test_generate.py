@@ -26,34 +26,44 @@ PROMPTS = [[5, 9, 2, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 11, 0]]  # length
 GREEDY = generate.Sampling(temperature=0.0)
 
 
-def recomputed_greedy(graphdef, params, prompts, new_tokens):
+def recomputed_greedy(graphdef, weights, prompts, new_tokens):
   """Greedy decoding without a cache: the whole sequence through `Llama.__call__`
-  for every new token, one prompt at a time, on one device."""
-  params = jax.device_put(jax.device_get(params), jax.devices()[0])
+  for every new token, one prompt at a time, on one device. `weights`: the
+  parameters, and an MoE model's state."""
+  weights = jax.device_put(jax.device_get(weights), jax.devices()[0])
   longest = max(map(len, prompts)) + new_tokens
-  logits_fn = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+  logits_fn = jax.jit(lambda w, t: nnx.merge(graphdef, *w)(t))
   outputs = []
   for prompt in prompts:
     sequence = list(prompt)
     for _ in range(new_tokens):  # causal: padding on the right changes nothing before it
       window = np.array([sequence + [0] * (longest - len(sequence))], np.int32)
-      sequence.append(int(np.argmax(logits_fn(params, window)[0, len(sequence) - 1])))
+      sequence.append(int(np.argmax(logits_fn(weights, window)[0, len(sequence) - 1])))
     outputs.append(sequence[len(prompt):])
   return outputs
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1), dict(data=4, tensor=2)],
-                         ids=["one_device", "data4_tensor2"])
-def test_cached_greedy_equals_recomputing_the_prefix(mesh, caplog):
-  cfg = micro_config(**{f"mesh.{axis}": size for axis, size in mesh.items()})
-  setup = build(cfg, jax.devices()[:1] if mesh == dict(data=1) else jax.devices())
-  params = setup.init_state().params
-  generator = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules)
+MOE = {"model.moe.num_experts": 4, "model.moe.experts_per_token": 2,
+       "model.moe.first_dense_layers": 1}
+
+
+@pytest.mark.parametrize("changes", [
+    dict(), {"mesh.data": 4, "mesh.tensor": 2}, MOE,
+    {**MOE, "mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}],
+    ids=["one_device", "data4_tensor2", "moe_one_device", "moe_experts_over_fsdp4_tensor2"])
+def test_cached_greedy_equals_recomputing_the_prefix(changes, caplog):
+  cfg = micro_config(**changes)
+  setup = build(cfg, jax.devices() if "mesh.tensor" in changes else jax.devices()[:1])
+  state = setup.init_state()
+  model_state = jax.tree.map(  # router biases that change the choice of experts
+      lambda b: b + jax.random.normal(jax.random.key(1), b.shape), state.model_state)
+  generator = generate.Generator(setup.spec.graphdef, state.params, setup.mesh, setup.rules,
+                                 model_state=model_state)
   with caplog.at_level(logging.WARNING), jax.log_compiles(True):
     got = generator(PROMPTS, 10, GREEDY)
   compiled = [m.split()[1] for m in caplog.messages if m.startswith("Compiling jit(")]
   assert compiled.count("jit(prefill)") == compiled.count("jit(decode)") == 1  # 9 decode steps
-  assert got == recomputed_greedy(setup.spec.graphdef, params, PROMPTS, 10)
+  assert got == recomputed_greedy(setup.spec.graphdef, generator.weights, PROMPTS, 10)
   assert len({tuple(tokens) for tokens in got}) == 3  # not a degenerate model
 
 

@@ -80,7 +80,7 @@ DILOCO_CASES = [
 
 @pytest.mark.parametrize("changes", [
     pytest.param(c, id=" ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items()),
-                 marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(DILOCO_CASES)])
+                 marks=pytest.mark.slow) for c in DILOCO_CASES])
 def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
   cfg = local_config(2, **{"mesh.data": 2, **changes})
   setup = build(cfg)

@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,7 +27,10 @@ def layer_fn(remat):
   graphdef, _ = block()
 
   def layer(p, x, aux):
-    f = lambda p, x: nnx.merge(graphdef, p)(x, aux["positions"])
+    """The block and a count it reports beside its output."""
+    def f(p, x):
+      y = nnx.merge(graphdef, p)(x, aux["positions"])
+      return y, {"positive": jnp.sum(jax.lax.stop_gradient(y) > 0)}
     return f(p, x) if remat == "none" else jax.checkpoint(f, policy=REMAT_POLICIES[remat])(p, x)
   return layer
 
@@ -46,20 +50,23 @@ def test_b_and_w_equal_the_vjp_and_share_no_matmul(remat):
 
   @jax.jit
   def run(params, x, dy):
-    y, stash = split.forward(params, x, aux)
+    y, stash, stats = split.forward(params, x, aux)
     dx, cut = split.backward_input(params, aux, stash, dy)
-    want_y, vjp = jax.vjp(lambda p, x: layer(p, x, aux), params, x)
-    return (y, dx, split.backward_weight(params, aux, stash, cut)), (want_y, *vjp(dy)[::-1])
+    want_y, vjp, want_stats = jax.vjp(lambda p, x: layer(p, x, aux), params, x, has_aux=True)
+    return ((y, stats, dx, split.backward_weight(params, aux, stash, cut)),
+            (want_y, want_stats, *vjp(dy)[::-1]))
 
-  (y, dx, d_params), (want_y, want_dx, want_d_params) = run(params, x, dy)
+  (y, stats, dx, d_params), (want_y, want_stats, want_dx, want_d_params) = run(params, x, dy)
   stash = jax.eval_shape(lambda: split.forward(params, x, aux)[1])
   cut = jax.eval_shape(lambda: split.backward_input(params, aux, stash, dy)[1])
   np.testing.assert_array_equal(y, want_y)
+  assert int(stats["positive"]) == int(want_stats["positive"]) and split.stats["positive"].shape == ()
   np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-6)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6),
                d_params, want_d_params)
   # B and W together run exactly the backward's matmuls: neither recomputes the other's.
-  backward = dots(lambda: jax.vjp(lambda p, x: layer(p, x, aux), params, x)[1](dy)) - dots(
+  backward = dots(lambda: jax.vjp(lambda p, x: layer(p, x, aux), params, x,
+                                  has_aux=True)[1](dy)) - dots(
       lambda: layer(params, x, aux))
   assert dots(lambda: split.backward_input(params, aux, stash, dy)) + dots(
       lambda: split.backward_weight(params, aux, stash, cut)) == backward

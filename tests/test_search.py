@@ -3,6 +3,7 @@ speed, its command line, and the published runs it must keep agreeing with
 (docs/planner.md)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -50,6 +51,24 @@ def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
   for e in results:
     assert e.memory_bytes["total"] <= 0.9 * clusters.PRESETS["h100"].hbm_bytes
     assert e.step_s == pytest.approx(e.compute_s + sum(e.exposed_s.values()) + e.bubble_s)
+
+
+def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
+  """Mixtral's 8 experts on 64 devices: each candidate keeps its experts
+  whole (over axes whose devices divide 8) or on every device, validates as
+  meshtrain would run it, and the dispatch all-to-all is priced."""
+  cfg = load(REPO / "configs" / "mixtral_8x7b.py")
+  results, fitting, _ = search.search(cfg, 64, clusters.PRESETS["h100"], top=10**6)
+  assert fitting == len(results) > 10
+  layouts = {e.candidate.expert_parallel for e in results}
+  assert "" in layouts and {"fsdp", "data,fsdp"} & layouts
+  for e in results:
+    c = e.candidate
+    assert search.meshtrain_runs(cfg, c) == ""
+    axes = [a for a in c.expert_parallel.split(",") if a]
+    assert 8 % math.prod(c.sizes[a] for a in axes) == 0
+    dispatch = sum(v for k, v in e.exposed_s.items() if k.endswith("all-to-all"))
+    assert (dispatch > 0) == any(c.sizes[a] > 1 for a in axes)
 
 
 @pytest.mark.parametrize("run", [

@@ -19,7 +19,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", tiered(CASES, ("data=2 sequence=4 zero1 accumulate 2 ulysses",)))
+@pytest.mark.parametrize("case", tiered(CASES, ()))
 def test_sequence_with_accumulation_matches_one_device(case):
   cfg = micro_config()
   cfg.update(CASES[case])

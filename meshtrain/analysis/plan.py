@@ -29,17 +29,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
 from meshtrain.analysis import hlo, residuals
+from meshtrain.models import flops
 from meshtrain.mesh import AXES, axis_sizes
-from meshtrain.parallel import sequence
+from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import local_sgd, setup as setup_lib
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.parallelize import attention_kernel, llama_spec, model_config, slots
+from meshtrain.train.state import merged
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -51,6 +52,15 @@ def abstract_mesh(mesh_cfg, num_devices: int) -> AbstractMesh:
 
 def _spec_axes(names, rules) -> set[str]:
   return set(jax.tree.leaves(tuple(r.logical_to_spec(names, rules))))
+
+
+def _expert_axes(names, rules) -> set[str]:
+  """The mesh axes that split a weight's `experts` dimension (expert parallelism):
+  each device computes with its own experts, gathers none over these axes and
+  reduces none of their gradients there."""
+  spec = r.logical_to_spec(names, rules)
+  return {a for name, part in zip(names, spec) if name == r.EXPERTS
+          for a in jax.tree.leaves(part)}
 
 
 def _prod(axes, mesh) -> int:
@@ -107,13 +117,15 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
                          jax.tree.leaves(spec.abstract_params)):
     p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
-    compute = leaf.size / _prod(p_axes - batch_axes, mesh)   # elements one device computes with
-    working, master = compute / _prod(p_axes & batch_axes, mesh), leaf.size / _prod(o_axes, mesh)
+    experts = _expert_axes(names, rules.params)
+    gathered = batch_axes - experts  # batch axes that split the weight for storage only
+    compute = leaf.size / _prod(p_axes - gathered, mesh)   # elements one device computes with
+    working, master = compute / _prod(p_axes & gathered, mesh), leaf.size / _prod(o_axes, mesh)
     # With one microbatch nothing accumulates: each layer's gradients go straight
     # into the optimizer layout (XLA reduce-scatters them inside the backward's
     # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
     # only lay out an accumulator.
-    grads = compute / _prod((g_axes if accum > 1 else o_axes) & batch_axes, mesh)
+    grads = compute / _prod((g_axes if accum > 1 else o_axes) & gathered, mesh)
     layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
     same = cfg.param_dtype == "float32" and p_axes == o_axes  # the working copy is the master
     streamed = cfg.offload.params and layers > 1  # fetched one layer at a time
@@ -125,9 +137,9 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     memory["grads"] += grad_bytes * grads
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
-    comm.add("all-gather", p_axes & batch_axes, param_bytes * compute / layers, mesh,
+    comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers, mesh,
              _gathers(names, cfg))
-    comm.add("reduce-scatter", g_axes & batch_axes, param_bytes * compute / layers, mesh,
+    comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers, mesh,
              accum * layers)
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
@@ -193,6 +205,9 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
     comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
+  if m.moe.num_experts:
+    _expert_dispatch(cfg, mesh, comm, rows, s, forwards,
+                     (m.num_layers - m.moe.first_dense_layers) // stages * passes)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
     sends = schedule_table(cfg.pipeline.schedule, stages, microbatches,
@@ -230,6 +245,26 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
     comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, arrays * passes)
 
 
+def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: int,
+                     moe_passes: int) -> None:
+  """What `meshtrain.parallel.experts` moves, per forward and backward of
+  every MoE layer on one device's `rows` x `length` tokens: the buckets of
+  tokens to their experts' devices and the outputs back, in the compute
+  dtype (twice each way: forward, and the transposes in the backward), the
+  [n, E_local] counts (each forward), and under `tensor` the experts' partial
+  outputs summed forward and their input gradients summed backward."""
+  moe, m = cfg.model.moe, cfg.model
+  axes = [a for a in cfg.expert_parallel.split(",") if a and mesh.shape[a] > 1]
+  n = _prod(axes, mesh)
+  local = moe.num_experts // n
+  capacity = experts.expert_capacity(rows * length, rows, moe.experts_per_token, local,
+                                     model_config(cfg).moe.capacity(cfg.seq_len))
+  bucket = jnp.dtype(cfg.compute_dtype).itemsize * n * capacity * m.embed_dim
+  comm.add("all-to-all", set(axes), bucket, mesh, 2 * (forwards + 1) * moe_passes)
+  comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
+  comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
+
+
 @functools.cache
 def schedule_table(name: str, stages: int, microbatches: int, chunks: int) -> schedules.Schedule:
   """A pipeline schedule, built once (a search asks for the same ones often)."""
@@ -249,15 +284,25 @@ def _gathers(names, cfg) -> int:
 
 
 def llama_loss(spec):
-  """The train step's loss of meshtrain's Llama, `loss(params, batch)`."""
+  """The train step's loss of meshtrain's Llama, `loss(params, batch)` (the
+  model state, if any, as it starts)."""
   def loss_fn(params, batch):
-    return cross_entropy(nnx.merge(spec.graphdef, params)(batch["inputs"]), batch["targets"])
+    model = merged(spec, params, spec.init_model_state())
+    return cross_entropy(model(batch["inputs"]), batch["targets"])
   return loss_fn
+
+
+def traced_model(cfg, layers: int, remat: str):
+  """The model of `cfg` cut to `layers` layers, all alike (an MoE model's
+  leading dense layers are counted as routed ones), to trace what it saves."""
+  model_cfg = model_config(cfg)
+  return dataclasses.replace(model_cfg, num_layers=layers, remat=remat,
+                             moe=dataclasses.replace(model_cfg.moe, first_dense_layers=0))
 
 
 def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences."""
-  model_cfg = dataclasses.replace(model_config(cfg), num_layers=layers, remat=remat)
+  model_cfg = traced_model(cfg, layers, remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
   flash = attention_kernel(cfg) == "cudnn" and mesh.shape["sequence"] == 1
@@ -383,9 +428,11 @@ def plan(cfg, num_devices: int, compile_step: bool) -> dict:
   so it works for any model on any number of devices."""
   mesh = abstract_mesh(cfg.mesh, num_devices)
   setup_lib.validate(cfg, mesh)
-  spec = llama_spec(model_config(cfg))
+  model_cfg = model_config(cfg)
+  spec = llama_spec(model_cfg)
   report = {"devices": num_devices, "mesh": dict(mesh.shape), "zero_stage": cfg.zero_stage,
-            "parameters": int(sum(x.size for x in jax.tree.leaves(spec.abstract_params))),
+            "parameters": flops.total_params(spec.abstract_params),
+            "active_parameters": int(flops.active_params(model_cfg, spec.abstract_params)),
             "analytic": analytic(cfg, spec, setup_lib.sharding_rules(cfg, mesh), mesh)}
   if compile_step:
     report["measured"] = measured(setup_lib.build(cfg))
@@ -404,7 +451,9 @@ def _count(value) -> str:
 def format_plan(report: dict) -> str:
   shape = " x ".join(f"{a}={s}" for a, s in report["mesh"].items() if s > 1) or "one device"
   zero = f", zero_stage {report['zero_stage']}" if report["mesh"]["data"] > 1 else ""
-  lines = [f"{report['parameters'] / 1e6:.2f}M parameters on {report['devices']} devices, "
+  active = report.get("active_parameters", report["parameters"])
+  routed = f" ({active / 1e6:.2f}M active per token)" if active != report["parameters"] else ""
+  lines = [f"{report['parameters'] / 1e6:.2f}M parameters{routed} on {report['devices']} devices, "
            f"mesh {shape}{zero}", "", "memory per device (MiB)        analytic"]
   for key, value in report["analytic"]["memory_bytes"].items():
     lines.append(f"  {key:<26}{_mib(value)}")

@@ -24,7 +24,9 @@ model saves (traced once per kind of layout and scaled: `_ActivationModel`).
 
 import dataclasses
 import functools
+import itertools
 import math
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import clusters, plan as plan_lib, residuals
 from meshtrain.models import flops
+from meshtrain.parallel import experts
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.mesh import AXES
 from meshtrain.parallel.pipeline import measures
@@ -68,6 +71,7 @@ class Candidate:
   microbatches: int = 1              # pipeline microbatches per step
   virtual_stages: int = 1
   tensor_sequence_parallel: bool = False
+  expert_parallel: str | None = None  # MoE: config.expert_parallel (None: the config's)
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -79,6 +83,8 @@ class Candidate:
     cfg.update(zero_stage=self.zero_stage, remat=self.remat,
                grad_accum_steps=self.grad_accum_steps,
                tensor_sequence_parallel=self.tensor_sequence_parallel)
+    if self.expert_parallel is not None:
+      cfg.expert_parallel = self.expert_parallel
     if self.sizes["pipeline"] > 1:
       cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                           schedule="interleaved_1f1b" if self.virtual_stages > 1 else "1f1b")
@@ -90,6 +96,8 @@ class Candidate:
     parts += [f"--config.zero_stage={self.zero_stage}", f"--config.remat={self.remat}",
               f"--config.grad_accum_steps={self.grad_accum_steps}",
               f"--config.tensor_sequence_parallel={self.tensor_sequence_parallel}"]
+    if self.expert_parallel is not None:
+      parts.append(f"--config.expert_parallel={shlex.quote(self.expert_parallel)}")
     if self.sizes["pipeline"] > 1:
       schedule = "interleaved_1f1b" if self.virtual_stages > 1 else "1f1b"
       parts += [f"--config.pipeline.schedule={schedule}",
@@ -132,7 +140,7 @@ class _ActivationModel:
     sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if sequence else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
-    model_cfg = dataclasses.replace(model_config(self.cfg), num_layers=TRACED_LAYERS, remat=remat)
+    model_cfg = plan_lib.traced_model(self.cfg, TRACED_LAYERS, remat)
     spec = llama_spec(model_cfg, slots(self.cfg, mesh, implementation="xla"))
     batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
@@ -197,8 +205,12 @@ class StepModel:
     m = cfg.model
     self.flops_per_token = flops.flops_per_token(self.model_cfg, self.spec.abstract_params,
                                                  cfg.seq_len)
-    layer_params = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
-                       if x.ndim > 2)  # stacked matrices, not norm scales
+    moe = self.model_cfg.moe
+    routed = moe.experts_per_token / moe.num_experts if moe.num_experts else 1.0
+    layer_params = sum(  # stacked matrices, not norm scales; of the routed experts, k of E
+        x.size * (routed if getattr(path[-1], "key", "") in flops.ROUTED else 1.0)
+        for path, x in jax.tree_util.tree_leaves_with_path(self.spec.abstract_params["layers"])
+        if x.ndim > 2)
     self.layer_forward = 2 * layer_params + 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.attention_forward = 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.activations = _ActivationModel(cfg, cluster.flash_attention)
@@ -248,9 +260,12 @@ class StepModel:
     for coll in report["collectives"]:
       bandwidth = (cluster.inter_host if set(coll["axis"].split("+")) & set(crossing)
                    else cluster.intra_host)
-      by_axis[coll["axis"]] = by_axis.get(coll["axis"], 0.0) + coll["bytes"] / bandwidth
-    hidden = sum(v for k, v in by_axis.items() if set(k.split("+")) <= set(BATCH_AXES))
-    exposed = {k: v for k, v in by_axis.items() if not set(k.split("+")) <= set(BATCH_AXES)}
+      # A layer waits for its tokens' dispatch: an all-to-all hides behind nothing.
+      key = coll["axis"] + (" all-to-all" if coll["kind"] == "all-to-all" else "")
+      by_axis[key] = by_axis.get(key, 0.0) + coll["bytes"] / bandwidth
+    weights = lambda k: set(k.split("+")) <= set(BATCH_AXES)  # noqa: E731 (gathers, gradients)
+    hidden = sum(v for k, v in by_axis.items() if weights(k))
+    exposed = {k: v for k, v in by_axis.items() if not weights(k)}
     if hidden > compute:
       exposed["data+fsdp (beyond compute)"] = hidden - compute
     bubble = 0.0
@@ -277,12 +292,31 @@ def meshtrain_runs(cfg, c: Candidate) -> str:
   return ""
 
 
+def expert_layouts(cfg, sizes: dict) -> list[str | None]:
+  """The values of `config.expert_parallel` worth trying on a mesh: every
+  expert on every device, and each set of the token axes that split the
+  mesh whose devices split the experts evenly (none inside a pipeline).
+  [None] for a dense model."""
+  moe = cfg.model.moe
+  if not moe.num_experts:
+    return [None]
+  if sizes["pipeline"] > 1:
+    return [""]
+  axes = [a for a in experts.EXPERT_AXES if sizes[a] > 1]
+  subsets = (s for n in range(1, len(axes) + 1) for s in itertools.combinations(axes, n))
+  return ["", *(",".join(s) for s in subsets
+                if moe.num_experts % math.prod(sizes[a] for a in s) == 0)]
+
+
 def candidates(cfg, devices: int, cluster: Cluster):
-  """Every mesh, schedule and accumulation meshtrain can run the model with on
-  `devices`; ZeRO-1 whenever `data` > 1 splits the weights (it moves what DDP
-  moves and holds less), sequence parallelism whenever `tensor` > 1."""
+  """Every mesh, schedule, accumulation and expert layout to try for the model
+  on `devices` (`search` keeps those meshtrain runs); ZeRO-1 whenever `data` > 1
+  splits the weights (it moves what DDP moves and holds less), sequence
+  parallelism whenever `tensor` > 1."""
   m = cfg.model
   ring = cfg.attention.sequence_strategy == "ring"  # does not compose with pipeline
+  # The layers a pipeline splits (a MoE model's leading dense ones run before them).
+  staged = m.num_layers - (m.moe.first_dense_layers if m.moe.num_experts else 0)
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
     if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor:
       continue
@@ -291,7 +325,7 @@ def candidates(cfg, devices: int, cluster: Cluster):
         continue
       rest = devices // tensor // sequence
       for pipeline in _divisors(rest):
-        if m.num_layers % pipeline or (pipeline > 1 and sequence > 1 and ring):
+        if staged % pipeline or (pipeline > 1 and sequence > 1 and ring):
           continue
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp
@@ -301,20 +335,22 @@ def candidates(cfg, devices: int, cluster: Cluster):
           mesh = (("data", data), ("pipeline", pipeline), ("fsdp", fsdp),
                   ("sequence", sequence), ("tensor", tensor))
           zero = int(data > 1 and m.embed_dim % (fsdp * data) == 0)
-          base = dict(mesh=mesh, zero_stage=zero, tensor_sequence_parallel=tensor > 1)
           rows = cfg.global_batch // replicas
-          if pipeline == 1:
-            for accum in (a for a in (1, 2, 4, 8) if rows % a == 0):
-              yield Candidate(**base, grad_accum_steps=accum)
-            continue
-          for chunks in (1, 2, 4):
-            if m.num_layers % (pipeline * chunks):
+          for layout in expert_layouts(cfg, dict(mesh)):
+            base = dict(mesh=mesh, zero_stage=zero, tensor_sequence_parallel=tensor > 1,
+                        expert_parallel=layout)
+            if pipeline == 1:
+              for accum in (a for a in (1, 2, 4, 8) if rows % a == 0):
+                yield Candidate(**base, grad_accum_steps=accum)
               continue
-            # Up to 4p microbatches: the bubble is then under 1/(4v+1), and
-            # more only shrink each microbatch.
-            for micro in (k * pipeline for k in (1, 2, 4)):
-              if rows % micro == 0:
-                yield Candidate(**base, microbatches=micro, virtual_stages=chunks)
+            for chunks in (1, 2, 4):
+              if staged % (pipeline * chunks):
+                continue
+              # Up to 4p microbatches: the bubble is then under 1/(4v+1), and
+              # more only shrink each microbatch.
+              for micro in (k * pipeline for k in (1, 2, 4)):
+                if rows % micro == 0:
+                  yield Candidate(**base, microbatches=micro, virtual_stages=chunks)
 
 
 def search(cfg, devices: int, cluster: Cluster, top: int = 5,
@@ -325,6 +361,8 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
   model = StepModel(cfg, cluster, achievable)
   best = []
   for c in candidates(cfg, devices, cluster):
+    if meshtrain_runs(cfg, c):
+      continue
     cfg_c = c.config(cfg)
     state = model.analytic(cfg_c, c)["memory_bytes"]
     held = state["params"] + state["grads"] + state["optimizer"]
@@ -394,6 +432,9 @@ def format_search(results: list[Estimate], fitting: int, cluster: Cluster, devic
       extras.append(f"accumulate {c.grad_accum_steps}")
     if c.sizes["pipeline"] > 1:
       extras.append(f"{c.microbatches} microbatches, {c.virtual_stages} chunks/stage")
+    if c.expert_parallel is not None:
+      extras.append(f"experts over {c.expert_parallel.replace(',', ' x ')}"
+                    if c.expert_parallel else "every expert on every device")
     comm = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in e.exposed_s.items() if v > 0) or "none"
     lines += [f"{i}. {mesh}; {', '.join(extras)}",
               f"   step {e.step_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f} + exposed comm "

@@ -154,12 +154,14 @@ def gradient_differences(grads, ref_grads) -> dict[str, float]:
                                       jax.tree.leaves(ref_grads))}
 
 
-def first_gradient(step: TrainStep, names, shardings: TrainState, params, batch: dict):
+def first_gradient(step: TrainStep, names, shardings: TrainState, params, batch: dict,
+                   model_state=None):
   """The step's own gradient function compiled alone, in the step's layouts."""
   working = r.tree_shardings(names, step.mesh, step.rules.params)
 
   def gradient(params, batch):
-    return step.grads_fn(jax.lax.with_sharding_constraint(params, working), batch)[1]
+    return step.grads_fn(jax.lax.with_sharding_constraint(params, working), batch,
+                         model_state)[2]
 
   on_device = in_memory(shardings, "device").params  # offloaded weights too (the steps offload)
   with jax.set_mesh(step.mesh), nnx.logical_axis_rules(step.rules.params):
@@ -173,7 +175,7 @@ def sharded_run(step: TrainStep, names, shardings: TrainState, state: TrainState
                 batch: dict, steps: int):
   """The first gradient (`first_gradient`), then `steps` train steps (their
   losses and gradient norms); `state` is consumed."""
-  grads = first_gradient(step, names, shardings, state.params, batch)
+  grads = first_gradient(step, names, shardings, state.params, batch, state.model_state)
   placed = jax.device_put(batch, step.batch_sharding)
   losses, grad_norms = [], []
   for _ in range(steps):
@@ -184,21 +186,26 @@ def sharded_run(step: TrainStep, names, shardings: TrainState, state: TrainState
 
 
 def reference_run(loss_fn, optimizer: optax.GradientTransformation, params, batch: dict,
-                  steps: int):
-  """The same, unsharded: one device, plain jit, the same optax optimizer."""
+                  steps: int, model_state=None, update_model_state=None):
+  """The same, unsharded: one device, plain jit, the same optax optimizer (and
+  the model state moved as the step moves it)."""
   device = jax.devices()[0]
-  params, batch = jax.device_put((params, batch), device)
+  params, batch, model_state = jax.device_put((params, batch, model_state), device)
 
   @jax.jit
-  def train_step(params, opt_state):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  def train_step(params, opt_state, model_state):
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, model_state)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, grads, optax.tree.norm(grads)
+    if update_model_state is not None:
+      model_state = update_model_state(model_state, stats)
+    return (optax.apply_updates(params, updates), opt_state, model_state, loss, grads,
+            optax.tree.norm(grads))
 
   opt_state = optimizer.init(params)
   losses, grad_norms, first_grads = [], [], None
   for _ in range(steps):
-    params, opt_state, loss, grads, grad_norm = train_step(params, opt_state)
+    params, opt_state, model_state, loss, grads, grad_norm = train_step(params, opt_state,
+                                                                        model_state)
     losses.append(float(loss))
     grad_norms.append(float(grad_norm))
     first_grads = grads if first_grads is None else first_grads
@@ -207,12 +214,13 @@ def reference_run(loss_fn, optimizer: optax.GradientTransformation, params, batc
 
 def float64_rerun(step: TrainStep, names, shardings: TrainState,
                   optimizer: optax.GradientTransformation, initial, batch: dict,
-                  float32_loss: float) -> Float64Rerun:
+                  float32_loss: float, model_state=None) -> Float64Rerun:
   """`first_gradient` and the reference gradient from `initial` in float64."""
   with jax.enable_x64(True):
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), initial)
-    grads = first_gradient(step, names, shardings, params, batch)
-    losses, _, ref_grads, _ = reference_run(step.loss_fn, optimizer, params, batch, steps=1)
+    grads = first_gradient(step, names, shardings, params, batch, model_state)
+    losses, _, ref_grads, _ = reference_run(step.loss_fn, optimizer, params, batch, steps=1,
+                                            model_state=model_state)
   differences = gradient_differences(grads, ref_grads)
   worst = max(differences, key=differences.get)
   return Float64Rerun(worst, differences[worst], computed_in_float64=losses[0] != float32_loss)
@@ -224,15 +232,16 @@ def verify(spec: ModelSpec, optimizer: optax.GradientTransformation, step: Train
   both ways; the report of their differences per parameter path, with a
   float64 rerun when a gradient differs beyond tolerance."""
   state = init_state(spec, optimizer, shardings)
-  initial = jax.device_get(state.params)
+  initial, model_state = jax.device_get((state.params, state.model_state))
   losses, norms, grads, params = sharded_run(step, spec.names, shardings, state, batch, steps)
-  ref_losses, ref_norms, ref_grads, ref_params = reference_run(step.loss_fn, optimizer, initial,
-                                                               batch, steps)
+  ref_losses, ref_norms, ref_grads, ref_params = reference_run(
+      step.loss_fn, optimizer, initial, batch, steps, model_state, spec.update_model_state)
   differences = gradient_differences(grads, ref_grads)
   paths = [PathDifference(path, difference, relative_difference(p, p_ref))
            for (path, difference), p, p_ref in zip(differences.items(), jax.tree.leaves(params),
                                                    jax.tree.leaves(ref_params))]
-  rerun = (float64_rerun(step, spec.names, shardings, optimizer, initial, batch, ref_losses[0])
+  rerun = (float64_rerun(step, spec.names, shardings, optimizer, initial, batch, ref_losses[0],
+                         model_state)
            if max(differences.values()) > TOLERANCE else None)
   return Report(list(zip(losses, ref_losses)), list(zip(norms, ref_norms)), paths, rerun)
 

@@ -1,6 +1,9 @@
 """Model FLOPs for MFU: the PaLM appendix-B count, 6N + 12·L·H·Q·T per token
 (N weights touched by matmuls, L layers, H heads, Q head dim, T sequence length),
-which counts training as forward + backward and ignores recomputation."""
+which counts training as forward + backward and ignores recomputation. A
+Mixture-of-Experts model touches k of its E routed experts per token: N counts
+k/E of the routed experts' weights (the active parameters), as DeepSeek-V3's
+and Mixtral's reports do."""
 
 import math
 
@@ -8,15 +11,32 @@ import jax
 
 from meshtrain.models.llama import LlamaConfig
 
+ROUTED = ("w_gate_ExDxF", "w_up_ExDxF", "w_down_ExFxD")  # the routed experts' weights
 
-def matmul_params(model_cfg: LlamaConfig, abstract_params) -> int:
-  """Weights used in matmuls: everything but norm scales, and the input
+
+def _key(path) -> str:
+  return getattr(path[-1], "key", "")
+
+
+def total_params(abstract_params) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+
+
+def active_params(model_cfg: LlamaConfig, abstract_params) -> float:
+  """Weights one token uses: all but the routed experts' (E - k)/E share."""
+  moe = model_cfg.moe
+  share = moe.experts_per_token / moe.num_experts if moe.num_experts else 1.0
+  return sum(math.prod(x.shape) * (share if _key(path) in ROUTED else 1.0)
+             for path, x in jax.tree_util.tree_leaves_with_path(abstract_params))
+
+
+def matmul_params(model_cfg: LlamaConfig, abstract_params) -> float:
+  """Active weights used in matmuls: everything but norm scales, and the input
   embedding only when it doubles as the output head (a lookup is not a matmul)."""
-  total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
   norms = sum(math.prod(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(abstract_params)
-              if getattr(path[-1], "key", None) == "scale")
+              if _key(path) == "scale")
   lookup = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.embed_dim
-  return total - norms - lookup
+  return active_params(model_cfg, abstract_params) - norms - lookup
 
 
 def flops_per_token(model_cfg: LlamaConfig, abstract_params, seq_len: int) -> float:

@@ -1,15 +1,20 @@
-"""A Llama-style decoder in flax NNX: RMSNorm, rotary positions, SwiGLU MLP and
-grouped-query attention, with the layers stacked on a leading `layers` axis and
-run by `lax.scan` (one compiled layer, whatever the depth).
+"""A Llama-style decoder in flax NNX: RMSNorm, rotary positions, grouped-query
+attention and a SwiGLU MLP, dense or Mixture-of-Experts (`moe.py`: Mixtral,
+Qwen3-MoE, DeepSeek-V3 without its latent attention), with the layers stacked
+on a leading `layers` axis and run by `lax.scan` (one compiled layer, whatever
+the depth). With `moe.first_dense_layers` the first layers keep the dense MLP
+and form a stack of their own (`dense_layers`), run before the others.
 
 Every weight carries logical axis names (`meshtrain.rules`); the main
 activations are pinned with `rules.constrain`. Weights are stored in whatever
-dtype the caller hands in and cast to `compute_dtype` at each matmul.
+dtype the caller hands in and cast to `compute_dtype` at each matmul. The MoE
+router's selection bias is model state (`nnx.BatchStat`), not a weight.
 
 The model knows no strategy. A strategy that rewrites the program fills one
 of its `Slots` (`meshtrain.train.parallelize` does, as torchtitan's
-`parallelize` does): the attention kernel, and where each layer's weights
-come from. The defaults run it as written on whatever layout the rules give.
+`parallelize` does): the attention kernel, how routed tokens reach their
+experts, where each layer's weights come from. The defaults run it as written
+on whatever layout the rules give.
 """
 
 import dataclasses
@@ -25,12 +30,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
 from meshtrain.models import rope
+from meshtrain.models.layers import (ATTN_OUT, MLP, MLP_IN, MLP_OUT, QKV, RMSNorm, param,
+                                     weight_matmul)
+from meshtrain.models.moe import MoE, MoEConfig
 from meshtrain.models.rope import rotary
-from meshtrain.parallel import attention
+from meshtrain.parallel import attention, experts
 
 Remat = Literal["none", "full", "selective"]
-# Names of the weight matmuls' outputs, which `remat="selective"` keeps.
-QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,7 @@ class LlamaConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
+  moe: MoEConfig = MoEConfig()
 
   @property
   def rope_scaling(self) -> rope.Llama3Scaling | None:
@@ -60,50 +67,12 @@ class LlamaConfig:
                               self.rope_high_freq_factor, self.rope_original_max_positions)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
-           fan_in: int) -> nnx.Param:
-  """A normal(0, 1/sqrt(fan_in)) weight annotated with logical names; it is
-  sharded by whoever creates it (`meshtrain.train.state`), not eagerly."""
-  value = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-  return nnx.Param(value, sharding_names=names, eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-
-  def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=(r.NORM,),
-                           eager_sharding=False)
-    self.eps = eps
-
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    return rms_norm(x_BxLxD, self.scale[...], self.eps)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2,))
-def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-  """Normalised in float32, recomputed in the backward from the input: saved,
-  its float32 copy and normalised value would be 4x a 16-bit input."""
-  x32 = x_BxLxD.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
-
-
-def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
-                  fuse=lambda w: w) -> jax.Array:
-  """`einsum(equation, x, fuse(*weights))` with the weights cast to x's dtype,
-  the cast and fused weight built again in the backward instead of saved:
-  saved, it is a weight-sized residual in every layer (the q/k/v and gate/up
-  concatenations: 285 MB per llama_8b layer). Only the cheap cast and
-  concatenation run twice; the matmul's output is not needed to differentiate
-  it, so its recomputation is dead code."""
-  @jax.checkpoint
-  def matmul(x, *weights):
-    return jnp.einsum(equation, x, fuse(*(w.astype(x.dtype) for w in weights)))
-  return matmul(x, *weights)
-
-
 def _as_they_are(weights: Any) -> Any:
   return weights
+
+
+def _batch_sum(x_BxLx: jax.Array) -> jax.Array:
+  return x_BxLx.sum(axis=(0, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +82,20 @@ class Slots:
   attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=None) -> out_BxLxNxH:
     causal grouped-query attention over the sequence (inside each packed
     document), whatever splits its length; the default sees it whole.
+  experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down) -> y_BxLxD:
+    the routed experts on the tokens that chose them (`parallel/experts.py`);
+    the default runs every expert here.
+  token_sum(x_BxLx...) -> x...: a per-token count summed over every token of
+    the batch (the MoE balance); the default sums the [batch, length] it sees.
+  aux_loss_weight: how much one forward's auxiliary losses weigh in the step's
+    loss (a pipeline runs M forwards a step, each weighing 1/M).
   layer_weights(weights) -> weights: one layer's weights, as its layer runs
     (offload brings them from the host here); the default returns them.
   """
   attention: Callable[..., jax.Array] = attention.causal_attention
+  experts: Callable[..., jax.Array] = experts.grouped_experts
+  token_sum: Callable[[jax.Array], jax.Array] = _batch_sum
+  aux_loss_weight: float = 1.0
   layer_weights: Callable[[Any], Any] = _as_they_are
 
 
@@ -126,10 +105,10 @@ class Attention(nnx.Module):
                attend: Callable[..., jax.Array] = attention.causal_attention):
     d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg, self.attend = cfg, attend
-    self.wq_DxNxH = _param(rngs, (d, n, h), (r.EMBED, r.HEADS, r.HEAD_DIM), d)
-    self.wk_DxKxH = _param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
-    self.wv_DxKxH = _param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
-    self.wo_NxHxD = _param(rngs, (n, h, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * h)
+    self.wq_DxNxH = param(rngs, (d, n, h), (r.EMBED, r.HEADS, r.HEAD_DIM), d)
+    self.wk_DxKxH = param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
+    self.wv_DxKxH = param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
+    self.wo_NxHxD = param(rngs, (n, h, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * h)
 
   def project_qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v in one matmul when the kv heads are split like the query heads:
@@ -175,48 +154,37 @@ class Attention(nnx.Module):
                            ATTN_OUT)
 
 
-class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    d, f = cfg.embed_dim, cfg.mlp_dim
-    self.w_gate_DxF = _param(rngs, (d, f), (r.EMBED, r.MLP), d)
-    self.w_up_DxF = _param(rngs, (d, f), (r.EMBED, r.MLP), d)
-    self.w_down_FxD = _param(rngs, (f, d), (r.MLP, r.EMBED), f)
-
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-    # Gate and up in one matmul: one all-reduce of the input gradient under
-    # tensor parallelism, not two.
-    gate_up_2xBxLxF = r.constrain(
-        weight_matmul("bld,cdf->cblf", x_BxLxD, self.w_gate_DxF[...], self.w_up_DxF[...],
-                      fuse=lambda *w: jnp.stack(w)), (None, r.BATCH, r.LENGTH, r.ACT_MLP))
-    gate_BxLxF, up_BxLxF = checkpoint_name(gate_up_2xBxLxF, MLP_IN)
-    h_BxLxF = r.constrain(swiglu(gate_BxLxF, up_BxLxF), (r.BATCH, r.LENGTH, r.ACT_MLP))
-    return checkpoint_name(weight_matmul("blf,fd->bld", h_BxLxF, self.w_down_FxD[...]), MLP_OUT)
-
-
-@jax.checkpoint
-def swiglu(gate_BxLxF: jax.Array, up_BxLxF: jax.Array) -> jax.Array:
-  """silu(gate) * up, recomputed in the backward from gate and up: saved, its
-  sigmoid and products would double the MLP's residuals."""
-  return jax.nn.silu(gate_BxLxF) * up_BxLxF
-
-
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); the MLP
+  routed (`moe`) or dense."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots(), moe: bool = False):
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     self.attn = Attention(cfg, rngs, slots.attention)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-    self.mlp = MLP(cfg, rngs)
+    if moe:
+      moe_layers = cfg.num_layers - cfg.moe.first_dense_layers
+      self.mlp = MoE(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, slots.experts, slots.token_sum,
+                     slots.aux_loss_weight / moe_layers)
+    else:
+      self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, rngs)
 
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+  def forward(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+              segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """The block's output and, where the MLP is routed, its routing counts."""
     residual = (r.BATCH, r.RES_LENGTH, r.ACT_EMBED)
     x_BxLxD = r.constrain(
         x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL), residual)
-    return r.constrain(x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD)), residual)
+    if isinstance(self.mlp, MoE):
+      y_BxLxD, stats = self.mlp.forward(self.mlp_norm(x_BxLxD))
+      stats = stats._asdict()
+    else:
+      y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD)), None
+    return r.constrain(x_BxLxD + y_BxLxD, residual), stats
+
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+    return self.forward(x_BxLxD, positions_BxL, segment_ids_BxL)[0]
 
 
 REMAT_POLICIES = {
@@ -232,8 +200,8 @@ class Embed(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.dtype = jnp.dtype(cfg.compute_dtype)
-    self.embedding_VxD = _param(rngs, (cfg.vocab_size, cfg.embed_dim), (r.VOCAB, r.EMBED),
-                                cfg.embed_dim)
+    self.embedding_VxD = param(rngs, (cfg.vocab_size, cfg.embed_dim), (r.VOCAB, r.EMBED),
+                               cfg.embed_dim)
 
   def table(self) -> jax.Array:
     """The table in its compute layout (`embed` whole, like every weight in a
@@ -282,8 +250,8 @@ class Head(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     if not cfg.tie_embeddings:
-      self.head_DxV = _param(rngs, (cfg.embed_dim, cfg.vocab_size), (r.EMBED, r.VOCAB),
-                             cfg.embed_dim)
+      self.head_DxV = param(rngs, (cfg.embed_dim, cfg.vocab_size), (r.EMBED, r.VOCAB),
+                            cfg.embed_dim)
 
   def __call__(self, x_BxLxD: jax.Array, tied_VxD: jax.Array | None = None) -> jax.Array:
     x_BxLxD = self.final_norm(x_BxLxD)
@@ -292,34 +260,40 @@ class Head(nnx.Module):
     return r.constrain(logits_BxLxV, (r.BATCH, r.LENGTH, r.ACT_VOCAB))
 
 
-def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()) -> Block:
-  """num_layers blocks whose weights carry a leading `layers` axis."""
-  @nnx.split_rngs(splits=cfg.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: r.LAYERS})
+def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots(),
+                   num_layers: int | None = None, moe: bool = False,
+                   axis_name: str | None = r.LAYERS) -> Block:
+  """`num_layers` (default all) blocks whose weights carry a leading axis named
+  `axis_name` (`layers`, which the pipeline splits; None for the leading dense
+  layers of an MoE model, which stage 0 runs whole)."""
+  @nnx.split_rngs(splits=num_layers or cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name})
   def create(rngs: nnx.Rngs) -> Block:
-    return Block(cfg, rngs, slots)
+    return Block(cfg, rngs, slots, moe)
   return create(rngs)
 
 
 def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
                remat: Remat = "none", segment_ids_BxL: jax.Array | None = None,
-               layer_weights: Callable[[Any], Any] = _as_they_are) -> jax.Array:
+               layer_weights: Callable[[Any], Any] = _as_they_are
+               ) -> tuple[jax.Array, dict | None]:
   """Runs stacked blocks (any number: the whole model or a pipeline chunk) with
   one `lax.scan`, recomputing activations by the `remat` policy; with
   `segment_ids_BxL`, attention stays inside each packed document. Positions
   default to `default_positions`; each layer's weights pass through
-  `layer_weights` (`Slots.layer_weights`) as it runs."""
+  `layer_weights` (`Slots.layer_weights`) as it runs. Returns the output and
+  the routed layers' counts stacked over the layers (None for dense ones)."""
   if positions_BxL is None:
     positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
     block = nnx.merge(graphdef, layer_weights(state))
-    return block(x_BxLxD, positions_BxL, segment_ids_BxL), None
+    return block.forward(x_BxLxD, positions_BxL, segment_ids_BxL)
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
-  return jax.lax.scan(layer, x_BxLxD, layer_state)[0]
+  return jax.lax.scan(layer, x_BxLxD, layer_state)
 
 
 def positions(tokens_BxL: jax.Array) -> jax.Array:
@@ -345,16 +319,30 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
     self.cfg, self.slots = cfg, slots
+    moe = cfg.moe.num_experts > 0
+    dense = cfg.moe.first_dense_layers if moe else 0
     self.embed = Embed(cfg, rngs)
-    self.layers = stacked_blocks(cfg, rngs, slots)
+    self.dense_layers = stacked_blocks(cfg, rngs, slots, dense, axis_name=None) if dense else None
+    self.layers = stacked_blocks(cfg, rngs, slots, cfg.num_layers - dense, moe)
     self.head = Head(cfg, rngs)
+
+  def forward(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+              positions: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """Float32 logits [batch, length, vocab], one per token in the order
+    given, and the routed layers' counts (`moe.Stats` fields stacked over
+    the layers; None for a dense model). Packed documents: `segment_ids`
+    [batch, length] (0 = padding) keep attention inside each document;
+    `positions` (rotary; by default each token's index inside its document)
+    restart there."""
+    x_BxLxD = self.embed(tokens_BxL)
+    run = functools.partial(run_layers, positions_BxL=positions, remat=self.cfg.remat,
+                            segment_ids_BxL=segment_ids, layer_weights=self.slots.layer_weights)
+    if self.dense_layers is not None:
+      x_BxLxD, _ = run(self.dense_layers, x_BxLxD)
+    x_BxLxD, stats = run(self.layers, x_BxLxD)
+    return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None), stats
 
   def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
-    """Returns float32 logits [batch, length, vocab], one per token in the
-    order given. Packed documents: `segment_ids` [batch, length] (0 =
-    padding) keep attention inside each document; `positions` (rotary; by
-    default each token's index inside its document) restart there."""
-    x_BxLxD = run_layers(self.layers, self.embed(tokens_BxL), positions, self.cfg.remat,
-                         segment_ids, self.slots.layer_weights)
-    return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None)
+    """The logits of `forward`."""
+    return self.forward(tokens_BxL, segment_ids, positions)[0]

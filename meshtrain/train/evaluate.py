@@ -26,11 +26,12 @@ from meshtrain.errors import ConfigError
 from meshtrain.train import pipelined
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.setup import Setup, build
-from meshtrain.workdir import load_params
+from meshtrain.workdir import load_model_state, load_params
 
 
 class Evaluator:
-  """`evaluator(params) -> {"eval_loss", "eval_perplexity"}` for the master weights of a state."""
+  """`evaluator(params, model_state) -> {"eval_loss", "eval_perplexity"}` for
+  the master weights (and model state) of a train state."""
 
   def __init__(self, cfg, setup: Setup):
     if cfg.eval.batches < 1:
@@ -49,29 +50,30 @@ class Evaluator:
     param_shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
     dtype = jnp.dtype(cfg.param_dtype)
 
-    def mean_loss(params, batch):
+    def mean_loss(params, batch, model_state):
       self.traces += 1
       working = jax.lax.with_sharding_constraint(
           jax.tree.map(lambda x: x.astype(dtype), params), param_shardings)
-      return loss_fn(working, batch)
+      return loss_fn(working, batch, model_state)
 
     self._jitted = jax.jit(mean_loss, in_shardings=(setup.shardings.params,
-                                                    setup.train_step.batch_sharding))
+                                                    setup.train_step.batch_sharding,
+                                                    setup.shardings.model_state))
 
   def due(self, step: int) -> bool:
     """Whether the run evaluates after `step`: every `eval.every_steps` and at the last step."""
     return bool(self.every_steps) and (step % self.every_steps == 0 or step == self.last_step)
 
-  def __call__(self, params) -> dict[str, float]:
+  def __call__(self, params, model_state=None) -> dict[str, float]:
     with jax.set_mesh(self._setup.mesh), nnx.logical_axis_rules(self._setup.rules.params):
-      losses = [self._jitted(params, batch) for batch in self._batches]
+      losses = [self._jitted(params, batch, model_state) for batch in self._batches]
     loss = float(np.mean(jax.device_get(losses)))
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
 
 def _loss_fn(cfg, setup: Setup):
-  """(params, batch) -> mean loss, forward only: the pipeline's forward
-  schedule on a pipeline mesh, else the training loss over the step's
+  """(params, batch, model_state) -> mean loss, forward only: the pipeline's
+  forward schedule on a pipeline mesh, else the training loss over the step's
   `grad_accum_steps` microbatches in turn."""
   if setup.mesh.shape["pipeline"] > 1:
     forward = getattr(pipelined, "pipelined_loss", None)  # the pipeline's forward-only schedule
@@ -82,8 +84,8 @@ def _loss_fn(cfg, setup: Setup):
                         "--config.mesh.pipeline=1`")
     return forward(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
 
-  def microbatched(params, batch):
-    losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch),
+  def microbatched(params, batch, model_state):
+    losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch, model_state)[0],
                          split_microbatches(batch, cfg.grad_accum_steps))
     return jnp.mean(losses)
   return microbatched
@@ -102,4 +104,6 @@ def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
   setup = build(cfg)
   evaluator = Evaluator(cfg, setup)
   params = load_params(workdir, step, setup.spec.abstract_params, setup.shardings.params)
-  return {"step": step, **evaluator(params)}
+  model_state = load_model_state(workdir, step, jax.eval_shape(setup.spec.init_model_state),
+                                 setup.shardings.model_state)
+  return {"step": step, **evaluator(params, model_state)}

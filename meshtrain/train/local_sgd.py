@@ -89,23 +89,24 @@ class LocalProgram:
   replica_grads_fn: Callable | None  # every replica's (loss, grads) at once, or None
 
 
-def _computed(params, batch):
+def _computed(params, batch, model_state=None):
   """A replica's step whose batch is its already computed (loss, grads)."""
-  return batch["loss"], batch["grads"]
+  return batch["loss"], {}, batch["grads"]
 
 
 def inner_step(program: LocalProgram, state: TrainState, batch) -> tuple[TrainState, dict]:
   """Every replica's step on its rows, mapped over `data`: no collective over it."""
   def one_replica(params, opt_state, nonfinite_steps, batch):
     new, metrics = train_step(program.replica_step,
-                              TrainState(state.step, params, opt_state, nonfinite_steps), batch)
+                              TrainState(state.step, params, opt_state, nonfinite_steps,
+                                         model_state=state.model_state), batch)
     return new.params, new.opt_state, new.nonfinite_steps, metrics
 
   if program.replica_grads_fn:
     dtype = jnp.dtype(program.replica_step.options.param_dtype)
     with nnx.logical_axis_rules(program.rules.params):
-      loss, grads = program.replica_grads_fn(
-          jax.tree.map(lambda x: x.astype(dtype), state.params), batch)
+      loss, _, grads = program.replica_grads_fn(
+          jax.tree.map(lambda x: x.astype(dtype), state.params), batch, state.model_state)
     by_replica = {"loss": loss, "grads": grads}
   else:
     by_replica = jax.tree.map(lambda x: x.reshape(program.replicas, -1, *x.shape[1:]), batch)
@@ -149,8 +150,8 @@ class LocalSGDStep:
                mesh: Mesh, rules: r.ShardingRules, *, replica_grads_fn=None, schedule=None,
                **step_options):
     """`step_options` are `StepOptions`' (grad_accum_steps, param_dtype, grad_dtype).
-    `replica_grads_fn(params, batch) -> ([R] losses, [R, ...] grads)` computes
-    every replica's gradients at once, each on its rows (the pipeline, whose
+    `replica_grads_fn(params, batch, model_state) -> ([R] losses, {}, [R, ...]
+    grads)` computes every replica's gradients at once, each on its rows (the pipeline, whose
     shard_map a vmap over `data` cannot enter: the vmap would add the manual
     `data` to the model's sharding constraints inside)."""
     self.mesh, self.rules, self.inner_steps = mesh, rules, local_cfg.inner_steps
@@ -161,7 +162,8 @@ class LocalSGDStep:
         step=replica.step, params=jax.tree.map(_stacked, replica.params),
         opt_state=jax.tree.map(_stacked, replica.opt_state),
         nonfinite_steps=NamedSharding(mesh, P("data")),
-        outer=OuterState(replica.params, state_shardings(spec, outer, mesh, one).opt_state))
+        outer=OuterState(replica.params, state_shardings(spec, outer, mesh, one).opt_state),
+        model_state=replica.model_state)
     self._optimizer, self._spec = optimizer, spec
     options = StepOptions(nan_policy="skip", replicas=1, **step_options)
     replica_step = build_program(loss_fn, spec.names, optimizer, mesh, one, replica, options,
@@ -185,7 +187,8 @@ class LocalSGDStep:
       params = self._spec.init()
       stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
       return TrainState(jnp.zeros((), jnp.int32), stack(params), stack(self._optimizer.init(params)),
-                        jnp.zeros((replicas,), jnp.int32), OuterState(params, outer.init(params)))
+                        jnp.zeros((replicas,), jnp.int32), OuterState(params, outer.init(params)),
+                        model_state=self._spec.init_model_state())
     return jax.jit(create, out_shardings=self.shardings)()
 
   def _with_mesh(self, fn, *args):

@@ -127,7 +127,7 @@ def train(cfg) -> list[dict]:
         record = {"step": step, **{k: v.item() for k, v in jax.device_get(metrics).items()},
                   **throughput.record(step)}
         if evaluating:
-          record.update(evaluator(state.params))
+          record.update(evaluator(state.params, state.model_state))
         writer.write(record)
         records.append(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}",

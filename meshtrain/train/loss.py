@@ -25,15 +25,17 @@ def token_losses(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
   return jax.nn.logsumexp(logits_BxLxV, axis=-1) - target_logit_BxL
 
 
-def model_loss(model, batch: dict[str, jax.Array]) -> jax.Array:
-  """The loss of `model(inputs, segment_ids=..., positions=...)` on a batch.
+def model_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+  """The loss of `model.forward(inputs, segment_ids=..., positions=...)` on a
+  batch, and the counts the model reports (`Llama.forward`'s; {} for none).
   Packed documents (`segment_ids`, 0 = padding): padding's targets do not
   count. The mean is per batch (per microbatch under accumulation, where each
   microbatch weighs the same whatever its padding)."""
   segment_ids_BxL = batch.get("segment_ids")
-  logits_BxLxV = model(batch["inputs"], segment_ids=segment_ids_BxL,
-                       positions=batch.get("positions"))
-  return cross_entropy(logits_BxLxV, batch["targets"], counted_tokens(segment_ids_BxL))
+  logits_BxLxV, stats = model.forward(batch["inputs"], segment_ids=segment_ids_BxL,
+                                      positions=batch.get("positions"))
+  loss = cross_entropy(logits_BxLxV, batch["targets"], counted_tokens(segment_ids_BxL))
+  return loss, stats if stats is not None else {}
 
 
 def counted_tokens(segment_ids_BxL: jax.Array | None) -> jax.Array | None:

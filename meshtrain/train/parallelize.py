@@ -7,11 +7,14 @@ The others fill the model's `Slots` and order its batch:
     `sequence.sequence_attention` with the configured strategy; under `ring`
     the batch comes in the ring's zigzag token order (`batch_order`), so the
     layers run in that order throughout;
+  - expert parallelism (`model.moe.num_experts` > 0): the experts slot gets
+    `experts.expert_parallel` over `config.expert_parallel`'s axes;
   - weight offload (`offload.params`): the layer-weights slot brings each
     layer's weights from the host as the layer runs;
   - otherwise the attention slot gets the local kernel the device runs best.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -20,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshtrain.models import moe
 from meshtrain.models.llama import Llama, LlamaConfig, Slots, default_positions
-from meshtrain.parallel import attention, offload, sequence
+from meshtrain.parallel import attention, experts, offload, sequence
 from meshtrain.train.state import ModelSpec, nnx_spec
 
 Batch = dict[str, jax.Array]
@@ -29,7 +33,14 @@ Batch = dict[str, jax.Array]
 
 def model_config(cfg) -> LlamaConfig:
   """The model's own settings (its shape, precision and recomputation)."""
-  return LlamaConfig(**cfg.model.to_dict(), compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+  model = cfg.model.to_dict()
+  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**model["moe"])},
+                     compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+
+
+def expert_axes(cfg) -> tuple[str, ...]:
+  """`config.expert_parallel` as mesh axes."""
+  return tuple(a.strip() for a in cfg.expert_parallel.split(",") if a.strip())
 
 
 def attention_kernel(cfg) -> str:
@@ -49,14 +60,41 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   else:
     attend = functools.partial(attention.causal_attention,
                                implementation=implementation or attention_kernel(cfg))
-  if not cfg.offload.params:
-    return Slots(attention=attend)
-  return Slots(attention=attend, layer_weights=functools.partial(
-      offload.fetch, working_dtype=jnp.dtype(cfg.param_dtype)))
+  slot = {"attention": attend}
+  if cfg.model.moe.num_experts:
+    slot["experts"] = functools.partial(
+        experts.expert_parallel, axes=expert_axes(cfg),
+        per_sequence=model_config(cfg).moe.capacity(cfg.seq_len))
+  if cfg.model.moe.num_experts and mesh.shape["pipeline"] > 1:
+    # Inside the pipeline's shard_map `data` (unless local SGD's replica
+    # axis) and `sequence` are manual: the counts sum over them; and each of
+    # the M microbatches' switch losses weighs 1/M of the step's.
+    token_axes = tuple(a for a in ("data", "sequence") if mesh.shape[a] > 1
+                       and not (a == "data" and cfg.local_sgd.inner_steps))
+    slot["token_sum"] = functools.partial(experts.manual_token_sum, axes=token_axes)
+    slot["aux_loss_weight"] = 1 / cfg.pipeline.microbatches
+  if cfg.offload.params:
+    slot["layer_weights"] = functools.partial(offload.fetch,
+                                              working_dtype=jnp.dtype(cfg.param_dtype))
+  return Slots(**slot)
 
 
 def llama_spec(model_cfg: LlamaConfig, model_slots: Slots = Slots(), seed: int = 0) -> ModelSpec:
-  return nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed), slots=model_slots))
+  spec = nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed), slots=model_slots))
+  routed = model_cfg.moe
+  if not routed.num_experts:
+    return spec
+  update = (functools.partial(_update_biases, routed.bias_update_rate)
+            if routed.bias_update_rate else None)
+  return dataclasses.replace(spec, update_model_state=update,
+                             metrics=functools.partial(moe.metrics, k=routed.experts_per_token))
+
+
+def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
+  """The routed layers' selection biases after a step with these counts."""
+  mlp = model_state["layers"]["mlp"]
+  return {**model_state, "layers": {**model_state["layers"], "mlp": {
+      **mlp, "bias_E": moe.update_bias(mlp["bias_E"], stats["load_E"], rate)}}}
 
 
 def model_spec(cfg, mesh: Mesh) -> ModelSpec:

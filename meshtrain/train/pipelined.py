@@ -20,31 +20,49 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.models.llama import REMAT_POLICIES, default_positions
+from meshtrain.models.llama import REMAT_POLICIES, default_positions, run_layers
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
 from meshtrain.train.loss import counted_tokens, token_losses
 from meshtrain.train.microbatch import split_microbatches
-from meshtrain.train.state import ModelSpec
+from meshtrain.train.state import ModelSpec, merged
 
-GradsFn = Callable[[dict, dict], tuple[jax.Array, dict]]
-LossFn = Callable[[dict, dict], jax.Array]
+# (params, batch, model state) -> (mean loss, counts, float32 grads); the
+# pipeline's model reports no counts.
+GradsFn = Callable[[dict, dict, object], tuple[jax.Array, dict, dict]]
+LossFn = Callable[[dict, dict, object], jax.Array]
 
 
 def _pieces(spec: ModelSpec, remat: str) -> dict:
   """The Llama as the executor's embed_fn, layer_fn and loss_fn. One layer
-  runs under the `remat` policy, which decides the residuals F stashes. The
-  head's params are {"head": ..., "tied": the embedding's, or {}}."""
-  model = nnx.merge(spec.graphdef, spec.abstract_params)
+  runs under the `remat` policy, which decides the residuals F stashes.
+  The embedding's params are {"embed": ..., "dense": the leading dense
+  layers' (an MoE model's `first_dense_layers`), or {}}; a layer's are
+  {"params": ..., "state": its model state (the MoE bias), or {}}; the head's
+  {"head": ..., "tied": the embedding's, or {}}."""
+  model = merged(spec, spec.abstract_params, jax.eval_shape(spec.init_model_state))
   tied = model.cfg.tie_embeddings
   embed_def, layers_def, head_def = (nnx.graphdef(m) for m in (model.embed, model.layers, model.head))
+  dense_def = nnx.graphdef(model.dense_layers) if model.dense_layers is not None else None
 
-  def embed_fn(p, tokens_BxL):
-    return nnx.merge(embed_def, p)(tokens_BxL)
+  def positions_of(x_BxLxD, aux):
+    segment_ids_BxL = aux.get("segment_ids")  # packed documents: attention inside each one
+    return aux.get("positions", default_positions(x_BxLxD, segment_ids_BxL)), segment_ids_BxL
+
+  def embed_fn(p, tokens_BxL, aux):
+    x_BxLxD = nnx.merge(embed_def, p["embed"])(tokens_BxL)
+    if dense_def is None:
+      return x_BxLxD
+    positions_BxL, segment_ids_BxL = positions_of(x_BxLxD, aux)
+    return run_layers(nnx.merge(dense_def, p["dense"]), x_BxLxD, positions_BxL, remat,
+                      segment_ids_BxL)[0]
 
   def layer_fn(p, x_BxLxD, aux):
-    segment_ids_BxL = aux.get("segment_ids")  # packed documents: attention inside each one
-    positions_BxL = aux.get("positions", default_positions(x_BxLxD, segment_ids_BxL))
-    block = lambda p, x: nnx.merge(layers_def, p)(x, positions_BxL, segment_ids_BxL)
+    positions_BxL, segment_ids_BxL = positions_of(x_BxLxD, aux)
+
+    def block(p, x):
+      y, stats = nnx.merge(layers_def, p["params"], *([p["state"]] if p["state"] else []))\
+          .forward(x, positions_BxL, segment_ids_BxL)
+      return y, stats if stats is not None else {}
     if remat != "none":
       block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
     return block(p, x_BxLxD)
@@ -79,7 +97,8 @@ def _with_positions(batch: dict) -> dict:
 
 
 def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
-  """(params, batch) -> (loss, grads or None) of one pipelined batch; with
+  """(params, batch, model state) -> (loss, counts, grads or None) of one
+  pipelined batch; with
   `replicas`, local SGD's: params lead with a replica dimension over `data`,
   each replica trains on its rows, loss and grads come back per replica."""
   pieces, tied = _pieces(spec, remat)
@@ -90,52 +109,59 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
   length_axis = "sequence" if mesh.shape["sequence"] > 1 else None
   inner_rules = r.without_axis(r.without_axis(rules.params, "data"), "sequence")
 
-  def run(params, batch):
+  def run(params, batch, model_state=None):
     if length_axis:
       batch = _with_positions(batch)
     microbatches = _loss_weights(split_microbatches(batch, pipeline_cfg.microbatches))
-    head = {"head": params["head"], "tied": params["embed"] if tied else {}}
+    pieces_params = {
+        "embed": {"embed": params["embed"], "dense": params.get("dense_layers", {})},
+        "layers": {"params": params["layers"],
+                   "state": (model_state or {}).get("layers", {})},
+        "head": {"head": params["head"], "tied": params["embed"] if tied else {}}}
     with nnx.logical_axis_rules(inner_rules):
-      loss, grads = runtime.pipeline_loss_and_grads(
-          schedule, mesh, **pieces, params={**params, "head": head}, microbatches=microbatches,
+      loss, grads, stats = runtime.pipeline_loss_and_grads(
+          schedule, mesh, **pieces, params=pieces_params, microbatches=microbatches,
           batch_axes=batch_axes, length_axis=length_axis,
           replica_axis="data" if replicas else None)
     if grads is None:
-      return loss, None
-    embed_g = grads["embed"]
+      return loss, stats, None
+    embed_g = grads["embed"]["embed"]
     if tied:  # one weight, two uses: the lookup's gradient plus the head's
       embed_g = jax.tree.map(jnp.add, embed_g, grads["head"]["tied"])
-    return loss, {"embed": embed_g, "layers": grads["layers"], "head": grads["head"]["head"]}
+    dense = {"dense_layers": grads["embed"]["dense"]} if "dense_layers" in params else {}
+    return loss, stats, {"embed": embed_g, **dense, "layers": grads["layers"]["params"],
+                         "head": grads["head"]["head"]}
   return run
 
 
 def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
                              remat: str, grad_accum_steps: int = 1,
                              replicas: bool = False) -> GradsFn:
-  """(params, batch) -> (mean loss, float32 grads), `batch` split into
-  `grad_accum_steps` parts run one after another (a larger batch at the
-  memory of one), each through the pipeline in `pipeline_cfg.microbatches`
-  microbatches. With `replicas`, of every local SGD replica at once
-  ([R] losses, [R, ...] grads; see `_executor`)."""
+  """(params, batch, model state) -> (mean loss, {}, float32 grads), `batch`
+  split into `grad_accum_steps` parts run one after another (a larger batch
+  at the memory of one), each through the pipeline in
+  `pipeline_cfg.microbatches` microbatches. With `replicas`, of every local
+  SGD replica at once ([R] losses, [R, ...] grads; see `_executor`)."""
   schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
                              pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
   run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas)
   if grad_accum_steps == 1:
     return run
 
-  def accumulated(params, batch):
+  def accumulated(params, batch, model_state=None):
+    parts = split_microbatches(batch, grad_accum_steps)
+
     def body(total, part):
-      return jax.tree.map(jnp.add, total, run(params, part)), None
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    losses = (mesh.shape["data"],) if replicas else ()
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(losses, jnp.float32), zeros),
-                                    split_microbatches(batch, grad_accum_steps))
-    return jax.tree.map(lambda x: x / grad_accum_steps, (loss, grads))
+      return jax.tree.map(jnp.add, total, run(params, part, model_state)), None
+    zeros = jax.eval_shape(lambda: run(params, jax.tree.map(lambda x: x[0], parts), model_state))
+    (loss, stats, grads), _ = jax.lax.scan(
+        body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros), parts)
+    return loss / grad_accum_steps, stats, jax.tree.map(lambda x: x / grad_accum_steps, grads)
   return accumulated
 
 
 def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules) -> LossFn:
-  """(params, batch) -> mean loss, forward only (evaluation on a pipeline
+  """(params, batch, model state) -> mean loss, forward only (evaluation on a pipeline
   mesh): GPipe's forward wave, nothing stashed for a backward. `batch` holds
   `inputs`, `targets` and optionally `segment_ids`, `positions` ([B, L]),
   split into `pipeline_cfg.microbatches` microbatches; call it traced under
@@ -143,4 +169,4 @@ def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingR
   schedule = schedules.forward_only(mesh.shape["pipeline"], pipeline_cfg.microbatches,
                                     pipeline_cfg.virtual_stages)
   run = _executor(spec, pipeline_cfg, mesh, rules, "none", schedule)
-  return lambda params, batch: run(params, batch)[0]
+  return lambda params, batch, model_state=None: run(params, batch, model_state)[0]

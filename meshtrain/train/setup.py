@@ -1,26 +1,26 @@
 """From a config to everything a run needs: mesh, rules, model, optimizer, state layout and step."""
 
 import dataclasses
-from collections.abc import Callable
+import math
 
 import jax
 import optax
-from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel import sequence
+from meshtrain.models import moe as moe_lib
+from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import local_sgd, parallelize, precision
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import model_loss
 from meshtrain.train.pipelined import pipelined_value_and_grad
-from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, state_shardings,
-                                   with_memory_kind)
-from meshtrain.train.step import TrainStep
+from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state, merged,
+                                   state_shardings, with_memory_kind)
+from meshtrain.train.step import LossFn, TrainStep
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "selective")
@@ -39,7 +39,7 @@ class Setup:
   schedule: optax.Schedule
   shardings: TrainState
   train_step: TrainStep | local_sgd.LocalSGDStep
-  loss_fn: Callable[[dict, dict], jax.Array]  # (params, batch) -> mean loss, as the step trains it
+  loss_fn: LossFn  # (params, batch, model state) -> (mean loss, counts), as the step trains it
 
   def init_state(self) -> TrainState:
     if isinstance(self.train_step, local_sgd.LocalSGDStep):
@@ -106,15 +106,58 @@ def validate(cfg, mesh: Mesh) -> None:
         "config.seq_len", f"{cfg.seq_len} is not divisible by config.mesh.sequence" +
         (" x config.mesh.tensor (tensor_sequence_parallel)" if cfg.tensor_sequence_parallel else "") +
         f" = {length_shards}")
+  if m.moe.num_experts:
+    validate_moe(cfg, mesh)
+
+
+def validate_moe(cfg, mesh: Mesh) -> None:
+  """The Mixture-of-Experts settings against the model and the mesh."""
+  moe, key = cfg.model.moe, "config.model.moe"
+  _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
+  if not 1 <= moe.experts_per_token <= moe.num_experts:
+    raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
+                      f"and model.moe.num_experts = {moe.num_experts}")
+  if moe.first_dense_layers >= cfg.model.num_layers:
+    raise ConfigError(f"{key}.first_dense_layers", f"{moe.first_dense_layers} leaves no MoE layer "
+                      f"of the {cfg.model.num_layers}; use fewer or set model.moe.num_experts=0")
+  axes = parallelize.expert_axes(cfg)
+  bad = [a for a in axes if a not in experts.EXPERT_AXES] or [a for a in axes if axes.count(a) > 1]
+  if bad:
+    raise ConfigError("config.expert_parallel", f"{bad[0]!r}: name each of "
+                      f"{', '.join(experts.EXPERT_AXES)} (the axes that split the tokens) at most "
+                      "once, comma-separated, or \"\" to keep every expert on every device")
+  split = math.prod(mesh.shape[a] for a in axes)
+  if moe.num_experts % split:
+    raise ConfigError(f"{key}.num_experts", f"{moe.num_experts} experts do not split over "
+                      f"config.expert_parallel {cfg.expert_parallel!r} = {split} devices; use a "
+                      f"multiple of {split} or other axes")
+  hidden = moe.mlp_dim or cfg.model.mlp_dim
+  if hidden % mesh.shape["tensor"]:
+    raise ConfigError(f"{key}.mlp_dim", f"each expert's hidden width {hidden} is not divisible "
+                      f"by config.mesh.tensor = {mesh.shape['tensor']}")
+  if mesh.shape["pipeline"] > 1 and split > 1:
+    # The pipeline's shard_map holds the layers whole over `data`; a nested
+    # one over other axes fails Shardy's check of the gradient.
+    raise ConfigError("config.expert_parallel", "inside the pipeline every stage keeps all of "
+                      "its layers' experts (they shard like FSDP weights); set it to \"\"")
+  if cfg.local_sgd.inner_steps and ("data" in axes or moe.bias_update_rate):
+    raise ConfigError("config.local_sgd.inner_steps", "local SGD trains each `data` replica "
+                      "alone: its experts cannot be split over `data` and its biases would "
+                      "drift apart; take `data` out of config.expert_parallel and set "
+                      "config.model.moe.bias_update_rate=0")
 
 
 def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
   p, m, v = mesh.shape["pipeline"], cfg.pipeline.microbatches, cfg.pipeline.virtual_stages
   _check_choice("config.pipeline.schedule", cfg.pipeline.schedule, schedules.SCHEDULE_NAMES)
-  if cfg.model.num_layers % (p * v):
+  moe = cfg.model.moe
+  dense = moe.first_dense_layers if moe.num_experts else 0  # these run on stage 0, before the rest
+  if (cfg.model.num_layers - dense) % (p * v):
     raise ConfigError("config.model.num_layers",
-                      f"{cfg.model.num_layers} layers do not split into config.mesh.pipeline={p} "
-                      f"stages x config.pipeline.virtual_stages={v} chunks")
+                      f"{cfg.model.num_layers - dense} layers"
+                      + (f" (after the {dense} leading dense ones)" if dense else "")
+                      + f" do not split into config.mesh.pipeline={p} stages x "
+                      f"config.pipeline.virtual_stages={v} chunks")
   rows = cfg.global_batch // replicas
   if rows % (m * cfg.grad_accum_steps):
     raise ConfigError("config.pipeline.microbatches",
@@ -148,7 +191,8 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
 
 def sharding_rules(cfg, mesh) -> r.ShardingRules:
   return r.strategy_rules(mesh, cfg.zero_stage, tensor_sequence_parallel=cfg.tensor_sequence_parallel,
-                          split_kv_heads=cfg.model.num_kv_heads % mesh.shape["tensor"] == 0)
+                          split_kv_heads=cfg.model.num_kv_heads % mesh.shape["tensor"] == 0,
+                          expert_axes=parallelize.expert_axes(cfg))
 
 
 def build(cfg, devices=None) -> Setup:
@@ -165,8 +209,8 @@ def build(cfg, devices=None) -> Setup:
 
   order = parallelize.batch_order(cfg)
 
-  def loss_fn(params, batch):
-    return model_loss(nnx.merge(spec.graphdef, params), order(batch))
+  def loss_fn(params, batch, model_state):
+    return model_loss(merged(spec, params, model_state), order(batch))
 
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps,
@@ -182,8 +226,11 @@ def build(cfg, devices=None) -> Setup:
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
                    grad_dtype=cfg.grad_dtype, schedule=schedule, grads_fn=grads_fn,
+                   update_model_state=spec.update_model_state, stat_metrics=spec.metrics,
                    nan_policy=cfg.nan_policy, loss_scale_period=cfg.loss_scale.period,
-                   streamed="layers" if cfg.offload.params else None)
+                   streamed="layers" if cfg.offload.params else None,
+                   # the MoE balance counts the whole batch's tokens
+                   replica_sums=not cfg.model.moe.num_experts)
   return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)
 
 

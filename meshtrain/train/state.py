@@ -30,16 +30,25 @@ class TrainState:
   nonfinite_steps: jax.Array  # steps whose loss or gradients were not finite (update dropped)
   outer: Any = None  # local SGD: the shared weights and the outer optimizer state
   loss_scale: Any = None  # float16: precision.LossScale
+  model_state: Any = None  # the model's state that is not trained (MoE router biases), pure dict
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """What the step needs of a model: its weights' shapes and logical names, a
-  function that creates them, and (NNX) how to rebuild the module from them."""
+  function that creates them, and (NNX) how to rebuild the module from them.
+
+  A model may also hold state that is not trained (`nnx.BatchStat`: MoE
+  router biases), created by `init_model_state`, which the step hands the
+  loss and moves after each step by `update_model_state(state, stats)` from
+  the counts the loss returns; `metrics(stats)` are logged with the loss."""
   init: Callable[[], Any]  # () -> fresh weights, a pure dict
   abstract_params: Any     # ShapeDtypeStructs
   names: Any               # tuples of logical names, same tree
   graphdef: nnx.GraphDef | None = None
+  init_model_state: Callable[[], Any] = lambda: None  # () -> a pure dict, or None
+  update_model_state: Callable[[Any, dict], Any] | None = None
+  metrics: Callable[[dict], dict] | None = None
 
 
 def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None) -> ModelSpec:
@@ -49,16 +58,24 @@ def nnx_spec(create: Callable[[], nnx.Module], patterns: Patterns | None = None)
   def split():
     # Not eagerly: the trainer places the weights (mesh-axis annotations need no mesh here).
     with nnx.use_eager_sharding(False):
-      graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
+      graphdef, params, state, rest = nnx.split(create(), nnx.Param, nnx.BatchStat, ...)
     others = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]
     if others:
-      raise ValueError(f"meshtrain trains nnx.Param weights; this model also holds {others}")
-    return graphdef, params
+      raise ValueError(f"meshtrain trains nnx.Param weights (and keeps nnx.BatchStat state); "
+                       f"this model also holds {others}")
+    return graphdef, params, state
 
-  graphdef, abstract = nnx.eval_shape(split)
+  graphdef, abstract, abstract_state = nnx.eval_shape(split)
   abstract_params = abstract.to_pure_dict()
   names = r.logical_names(abstract) if patterns is None else names_by_path(abstract_params, patterns)
-  return ModelSpec(lambda: split()[1].to_pure_dict(), abstract_params, names, graphdef)
+  has_state = bool(jax.tree.leaves(abstract_state))
+  return ModelSpec(lambda: split()[1].to_pure_dict(), abstract_params, names, graphdef,
+                   init_model_state=lambda: split()[2].to_pure_dict() if has_state else None)
+
+
+def merged(spec: ModelSpec, params, model_state=None) -> nnx.Module:
+  """The NNX module of `spec` with these weights (and model state)."""
+  return nnx.merge(spec.graphdef, params, *([model_state] if model_state is not None else []))
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -74,7 +91,9 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
       optimizer, lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
       abstract_opt, spec.abstract_params, master, transform_non_params=lambda _: replicated)
   return TrainState(step=replicated, params=master, opt_state=opt, nonfinite_steps=replicated,
-                    loss_scale=jax.tree.map(lambda _: replicated, loss_scale))
+                    loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
+                    model_state=jax.tree.map(lambda _: replicated,
+                                             jax.eval_shape(spec.init_model_state)))
 
 
 def with_memory_kind(tree: Any, memory_kind: str) -> Any:
@@ -99,5 +118,6 @@ def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
   def create():
     params = spec.init()
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                      jnp.zeros((), jnp.int32), loss_scale=loss_scale)
+                      jnp.zeros((), jnp.int32), loss_scale=loss_scale,
+                      model_state=spec.init_model_state())
   return jax.jit(create, out_shardings=shardings)()

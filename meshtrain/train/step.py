@@ -39,9 +39,11 @@ from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import TrainState, in_memory, is_offloaded
 
 Batch = dict[str, jax.Array]
-LossFn = Callable[[dict, Batch], jax.Array]
-# (params, batch, loss scale=None) -> (mean loss, gradients in grad_dtype)
-GradsFn = Callable[..., tuple[jax.Array, dict]]
+# (params, batch, model state) -> (mean loss, counts the model reports: sums
+# over the batch's tokens, e.g. the MoE routing's; {} for most models)
+LossFn = Callable[[dict, Batch, Any], tuple[jax.Array, dict]]
+# (params, batch, model state, loss scale=None) -> (loss, counts, gradients in grad_dtype)
+GradsFn = Callable[..., tuple[jax.Array, dict, dict]]
 # Batch leaves are [batch, length, ...]: rows split over data x fsdp, tokens over sequence.
 BATCH_NAMES = (r.BATCH, r.LENGTH)
 
@@ -65,47 +67,59 @@ def _all_finite(tree) -> jax.Array:
 
 # Gradients.
 
-def value_and_grad(loss_fn: LossFn, grad_dtype: str, params, batch: Batch, scale=None):
-  """The mean loss and its gradients in `grad_dtype`; with `scale` the
-  backward pass starts from it, not 1 (float16 loss scaling)."""
+def value_and_grad(loss_fn: LossFn, grad_dtype: str, params, batch: Batch, model_state=None,
+                   scale=None):
+  """The mean loss, its counts and its gradients in `grad_dtype`; with `scale`
+  the backward pass starts from it, not 1 (float16 loss scaling)."""
+  def loss(p):
+    return loss_fn(p, batch, model_state)
   if scale is None:
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
   else:
-    loss, backward = jax.vjp(lambda p: loss_fn(p, batch), params)
-    grads, = backward(scale.astype(loss.dtype))
-  return loss, _cast(grads, grad_dtype)
+    value, backward, stats = jax.vjp(loss, params, has_aux=True)
+    grads, = backward(scale.astype(value.dtype))
+  return value, stats, _cast(grads, grad_dtype)
 
 
 def replica_value_and_grad(grads_fn: GradsFn, replicas: int, rules: r.ShardingRules,
-                           params, batch: Batch, scale=None):
-  """Per-replica losses [data] and gradients [data, ...], not yet summed: each
-  `data` replica's rows through `grads_fn` (a vmap over `data`)."""
+                           params, batch: Batch, model_state=None, scale=None):
+  """Per-replica losses [data], counts and gradients [data, ...], not yet
+  summed: each `data` replica's rows through `grads_fn` (a vmap over `data`)."""
   def by_replica(x):
     return x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
   with nnx.logical_axis_rules(r.without_axis(rules.params, "data")):
-    return jax.vmap(grads_fn, in_axes=(None, 0, None), spmd_axis_name="data")(
-        params, jax.tree.map(by_replica, batch), scale)
+    return jax.vmap(grads_fn, in_axes=(None, 0, None, None), spmd_axis_name="data")(
+        params, jax.tree.map(by_replica, batch), model_state, scale)
 
 
 def accumulated(grads_fn: GradsFn, count: int, grad_specs, grad_dtype: str, replicas: int,
-                params, batch: Batch, scale=None):
+                params, batch: Batch, model_state=None, scale=None):
   """Mean loss and gradient over `count` microbatches, summed in `grad_dtype`
-  in the `grad_specs` layout. With `replicas` > 1, `grads_fn` returns each
-  replica's own sums (`replica_value_and_grad`), reduced once at the end."""
+  in the `grad_specs` layout, and the sum of their counts. With `replicas` >
+  1, `grads_fn` returns each replica's own sums (`replica_value_and_grad`),
+  reduced once at the end."""
   lead = (replicas,) if replicas > 1 else ()
   specs = jax.tree.map(lambda s: P("data", *s), grad_specs) if lead else grad_specs
+  microbatches = split_microbatches(batch, count)
 
   def body(carry, microbatch):
-    loss, grads = grads_fn(params, microbatch, scale)
+    loss, stats, grads = grads_fn(params, microbatch, model_state, scale)
     grads = jax.lax.with_sharding_constraint(grads, specs)
-    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+    return jax.tree.map(jnp.add, carry, (loss, stats, grads)), None
 
   zeros = jax.lax.with_sharding_constraint(
       jax.tree.map(lambda p: jnp.zeros(lead + p.shape, grad_dtype), params), specs)
-  (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros),
-                                  split_microbatches(batch, count))
-  return jax.tree.map(lambda x: (x.sum(0) if lead else x) / (count * max(replicas, 1)),
-                      (loss, grads))
+  no_stats = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+      lambda: grads_fn(params, _take_first(microbatches), model_state, scale)[1]))
+  (loss, stats, grads), _ = jax.lax.scan(
+      body, (jnp.zeros(lead, jnp.float32), no_stats, zeros), microbatches)
+  total = lambda x: x.sum(0) if lead else x  # noqa: E731
+  mean = lambda x: total(x) / (count * max(replicas, 1))  # noqa: E731
+  return mean(loss), jax.tree.map(total, stats), jax.tree.map(mean, grads)
+
+
+def _take_first(microbatches: Batch) -> Batch:
+  return jax.tree.map(lambda x: x[0], microbatches)
 
 
 # The step.
@@ -122,6 +136,8 @@ class StepOptions:
                                # maps the step over `data` itself (local SGD)
   streamed: str | None = None  # a params subtree that stays on the host through forward and
                                # backward (`config.offload.params`); it comes in per layer
+  replica_sums: bool = True    # with accumulation, each `data` replica may sum its own
+                               # gradients (off where the loss needs the whole batch's counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +145,8 @@ class Program:
   """What `train_step` reads, resolved once."""
   grads_fn: GradsFn
   optimizer: optax.GradientTransformation
+  update_model_state: Callable[[Any, dict], Any] | None  # after a healthy step, from its counts
+  stat_metrics: Callable[[dict], dict] | None            # the counts as logged metrics
   schedule: optax.Schedule | None
   options: StepOptions
   param_shardings: Any   # the working copy's layout (the `params` rules)
@@ -152,17 +170,18 @@ def working_weights(program: Program, params):
 
 
 def gradients(program: Program, state: TrainState, batch: Batch):
-  """Loss and gradients of the batch at the state's weights, unscaled, in the
-  optimizer's layout on the device."""
+  """Loss, counts and gradients of the batch at the state's weights,
+  unscaled, the gradients in the optimizer's layout on the device."""
   scale = None if state.loss_scale is None else state.loss_scale.scale
-  loss, grads = program.grads_fn(working_weights(program, state.params), batch, scale)
+  loss, stats, grads = program.grads_fn(working_weights(program, state.params), batch,
+                                        state.model_state, scale)
   if scale is not None:
     grads = jax.tree.map(lambda g: g / scale, grads)
   if program.options.streamed:  # the streamed gradients came back to the host
     grads = jax.device_put(grads, jax.memory.Space.Device)
   # Gradients meet the optimizer in its layout: an all-reduce for replicated
   # state, a reduce-scatter for sharded state (ZeRO, FSDP).
-  return loss, jax.lax.with_sharding_constraint(grads, program.on_device.params)
+  return loss, stats, jax.lax.with_sharding_constraint(grads, program.on_device.params)
 
 
 def _update(optimizer, params, opt_state, grads):
@@ -191,7 +210,7 @@ def train_step(program: Program, state: TrainState, batch: Batch
     state = dataclasses.replace(state, **jax.device_put(
         {"params": state.params, "opt_state": state.opt_state},
         {"params": program.compute.params, "opt_state": program.compute.opt_state}))
-  loss, grads = gradients(program, state, batch)
+  loss, stats, grads = gradients(program, state, batch)
   if options.streamed:  # the update runs on the device
     state = dataclasses.replace(state, params=jax.device_put(state.params,
                                                              program.on_device.params))
@@ -213,6 +232,12 @@ def train_step(program: Program, state: TrainState, batch: Batch
                                        (program.shardings.params, program.shardings.opt_state))
   nonfinite_steps = state.nonfinite_steps + (~finite & ~overflow).astype(jnp.int32)
   metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite_steps": nonfinite_steps}
+  model_state = state.model_state
+  if program.stat_metrics is not None:
+    metrics.update(program.stat_metrics(stats))
+  if program.update_model_state is not None:
+    model_state = jax.tree.map(lambda new, old: jnp.where(healthy, new, old),
+                               program.update_model_state(model_state, stats), model_state)
   if loss_scale is not None:
     metrics["loss_scale"] = loss_scale.scale  # the scale this step ran with
     loss_scale = precision.adjust(loss_scale, finite, overflow, options.loss_scale_period)
@@ -221,17 +246,20 @@ def train_step(program: Program, state: TrainState, batch: Batch
     metrics["learning_rate"] = program.schedule(state.step)
   counts = (healthy | skip | overflow).astype(jnp.int32)
   return dataclasses.replace(state, step=state.step + counts, params=params, opt_state=opt_state,
-                             nonfinite_steps=nonfinite_steps, loss_scale=loss_scale), metrics
+                             nonfinite_steps=nonfinite_steps, loss_scale=loss_scale,
+                             model_state=model_state), metrics
 
 
 def build_program(loss_fn: LossFn, names, optimizer: optax.GradientTransformation, mesh: Mesh,
                   rules: r.ShardingRules, shardings: TrainState, options: StepOptions,
-                  schedule: optax.Schedule | None = None,
-                  grads_fn: GradsFn | None = None) -> Program:
-  """The program of a step. `loss_fn(params, batch)` is the mean loss of a
-  batch and `names` the logical names of the params; `grads_fn(params, batch)
-  -> (loss, float32 grads)` replaces the differentiation of `loss_fn` (the
-  pipeline brings its own, accumulation included; no loss scaling)."""
+                  schedule: optax.Schedule | None = None, grads_fn=None,
+                  update_model_state=None, stat_metrics=None) -> Program:
+  """The program of a step. `loss_fn(params, batch, model_state) -> (loss,
+  counts)` (`LossFn`) and `names` the logical names of the params;
+  `grads_fn(params, batch, model_state) -> (loss, counts, float32 grads)`
+  replaces the differentiation of `loss_fn` (the pipeline brings its own,
+  accumulation included; no loss scaling). `update_model_state` and
+  `stat_metrics`: `ModelSpec`'s."""
   replicas = mesh.shape["data"] if options.replicas is None else options.replicas
   options = dataclasses.replace(options, replicas=replicas)
   grad_specs = jax.tree.map(lambda s: s.spec, r.tree_shardings(names, mesh, rules.grads))
@@ -242,7 +270,8 @@ def build_program(loss_fn: LossFn, names, optimizer: optax.GradientTransformatio
     if options.grad_accum_steps > 1:
       # ZeRO 0/1 keep whole gradients per `data` replica: accumulate each
       # replica's own sum and reduce once per step, not once per microbatch.
-      per_replica = replicas > 1 and "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs))
+      per_replica = (options.replica_sums and replicas > 1
+                     and "data" not in jax.tree.leaves(jax.tree.map(tuple, grad_specs)))
       if per_replica:
         grads_fn = functools.partial(replica_value_and_grad, grads_fn, replicas, rules)
       grads_fn = functools.partial(accumulated, grads_fn, options.grad_accum_steps, grad_specs,
@@ -252,16 +281,16 @@ def build_program(loss_fn: LossFn, names, optimizer: optax.GradientTransformatio
   compute = on_device if options.streamed is None else dataclasses.replace(
       on_device, params={**on_device.params,
                          options.streamed: shardings.params[options.streamed]})
-  return Program(grads_fn, optimizer, schedule, options,
+  return Program(grads_fn, optimizer, update_model_state, stat_metrics, schedule, options,
                  r.tree_shardings(names, mesh, rules.params), shardings, on_device, compute,
                  offloaded)
 
 
-def _unscaled(grads_fn, params, batch: Batch, scale=None):
-  """A two-argument `grads_fn` as a GradsFn (the configs that bring their own
-  refuse float16 loss scaling up front)."""
+def _unscaled(grads_fn, params, batch: Batch, model_state=None, scale=None):
+  """A `grads_fn(params, batch, model_state)` as a GradsFn (the configs that
+  bring their own refuse float16 loss scaling up front)."""
   assert scale is None, "this gradient function takes no loss scale"
-  return grads_fn(params, batch)
+  return grads_fn(params, batch, model_state)
 
 
 class TrainStep:
@@ -269,13 +298,14 @@ class TrainStep:
 
   def __init__(self, loss_fn: LossFn, names, optimizer: optax.GradientTransformation,
                mesh: Mesh, rules: r.ShardingRules, state_shardings: TrainState, *,
-               schedule: optax.Schedule | None = None, grads_fn: GradsFn | None = None,
-               **options):
+               schedule: optax.Schedule | None = None, grads_fn=None, update_model_state=None,
+               stat_metrics=None, **options):
     """`options` are `StepOptions`' fields; `build_program` says the rest."""
     self.mesh, self.rules = mesh, rules
     self.batch_sharding = batch_sharding(mesh, rules)
     self.program = build_program(loss_fn, names, optimizer, mesh, rules, state_shardings,
-                                 StepOptions(**options), schedule, grads_fn)
+                                 StepOptions(**options), schedule, grads_fn, update_model_state,
+                                 stat_metrics)
     # meshtrain.analysis.selfcheck runs these alone
     self.loss_fn, self.grads_fn = loss_fn, self.program.grads_fn
     self._jitted = jax.jit(functools.partial(train_step, self.program),

@@ -27,9 +27,11 @@ the step does the FLOPs of the unpipelined step. (Why not one switch over
 the ops: docs/pipeline.md, "What a tick moves".)
 
 Model contract (any model, not only Llama):
-  embed_fn(embed_params, inputs_BxL) -> x_BxLxD
-  layer_fn(layer_params, x_BxLxD, aux) -> x_BxLxD: one layer; a chunk is Lc
-    layers stacked on a leading axis, scanned by the executor
+  embed_fn(embed_params, inputs_BxL, aux) -> x_BxLxD
+  layer_fn(layer_params, x_BxLxD, aux) -> (x_BxLxD, stats): one layer and
+    the counts it reports beside its output ({} for none; an MoE layer's
+    routing counts), which the executor sums per layer over the microbatches;
+    a chunk is Lc layers stacked on a leading axis, scanned by the executor
   loss_fn(head_params, x_BxLxD, aux) -> scalar mean loss
 `aux` is the microbatch's other [B, L] arrays (targets, positions, segment
 ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
@@ -99,6 +101,11 @@ def to_stages(layers: Any, num_stages: int, num_chunks: int) -> Any:
 def from_stages(staged: Any) -> Any:
   """The inverse of `to_stages`: [V, P, Lc, ...] -> [P*V*Lc, ...]."""
   return jax.tree.map(lambda x: x.reshape(-1, *x.shape[3:]), staged)
+
+
+def _per_replica(restack: Callable[[Any], Any]) -> Callable[[Any], Any]:
+  """`restack` applied to each leaf's slices along a leading replica axis."""
+  return lambda tree: jax.tree.map(jax.vmap(restack), tree)
 
 
 def _varying(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -213,14 +220,18 @@ class Stage:
 
   def chunk_forward(self, op, x, aux, state: dict) -> tuple[jax.Array, dict]:
     """The chunk's layers on x, each layer's residuals written straight into
-    the op's `res` slot."""
+    the op's `res` slot and its counts added into its sums."""
     def body(carry, l):
       x, state = carry
-      p = self.layer_weights(op["chunk"], l)
-      if not self.layer:
-        return (self.layer_fn(p, x, aux), state), None
-      y, res = self.layer.forward(p, x, aux)
-      return (y, {**state, "res": _write(state["res"], (op["res_slot"], l), res)}), None
+      v = op["chunk"]
+      p = self.layer_weights(v, l)
+      if self.layer:
+        y, res, stats = self.layer.forward(p, x, aux)
+        state = {**state, "res": _write(state["res"], (op["res_slot"], l), res)}
+      else:
+        y, stats = self.layer_fn(p, x, aux)
+      stats = _varying(stats, self.manual)
+      return (y, {**state, "stats": _add_at(state["stats"], (v, l), stats)}), None
     return lax.scan(body, (x, state), jnp.arange(self.num_layers))[0]
 
   def forward(self, op, state: dict) -> dict:
@@ -231,14 +242,14 @@ class Stage:
       aux = _take(self.aux, op["mb"])
       # A select, not a conditional: XLA requires both branches of one to lay
       # out their results alike, and the embedding's layout is the model's.
-      x = jnp.where(self.first(op), self.embed_fn(self.embed_p, self.inputs[op["mb"]]),
+      x = jnp.where(self.first(op), self.embed_fn(self.embed_p, self.inputs[op["mb"]], aux),
                     _read(state["act"], op["act_slot"]))
       y, state = self.chunk_forward(op, x, aux, state)
 
       def head(state):
         if not self.head:
           return {**state, "loss": state["loss"] + self.loss_fn(self.head_p, y, aux) * self.scale}
-        loss, head_res = self.head.forward(self.head_p, y, aux)
+        loss, head_res, _ = self.head.forward(self.head_p, y, aux)
         return {**state, "loss": state["loss"] + loss.astype(jnp.float32),
                 "head_res": _write(state["head_res"], op["head_res_slot"], head_res)}
       state = _branch("pipeline_F_head", self.last(op), head, _unchanged, state)
@@ -271,7 +282,7 @@ class Stage:
       dx, state = lax.scan(body, (dy, state), jnp.arange(self.num_layers), reverse=True)[0]
 
       def into_embedding(state):
-        _, vjp = jax.vjp(lambda p: self.embed_fn(p, self.inputs[op["mb"]]), self.embed_p)
+        _, vjp = jax.vjp(lambda p: self.embed_fn(p, self.inputs[op["mb"]], aux), self.embed_p)
         return {**state, "embed_g": _add(state["embed_g"], vjp(dx)[0])}
       state = _branch("pipeline_B_embed", self.first(op), into_embedding, _unchanged, state)
       return {**state, "send_grad": self.sent(dx)}
@@ -332,9 +343,23 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
   x = stage.zeros_x
 
   def buffer(structs, name, lead=()):
-    return _varying(_zeros(structs, (max(schedule.num_slots(name), 1), *lead)), stage.manual)
-  state = {"act": buffer(x, "act"), "act_in": x, "send_act": x, "loss": _varying(jnp.zeros((), jnp.float32),
-                                                                  stage.manual)}
+    """Zero slots typed like the values they hold: activations vary over every
+    manual axis, a stashed residual over those it varied over when traced."""
+    lead = (max(schedule.num_slots(name), 1), *lead)
+
+    def zeros(s):
+      traced = isinstance(s, jax.ShapeDtypeStruct)
+      return _varying(jnp.zeros(lead + tuple(s.shape), s.dtype),
+                      varying_axes(s) if traced else stage.manual)
+    return jax.tree.map(zeros, structs)
+  one_layer = jax.tree.map(lambda w: w[0, 0], stage.layers_VxLc)
+  stats = stage.layer.stats if stage.layer else jax.eval_shape(
+      stage.layer_fn, one_layer, x, _take(stage.aux, 0))[1]
+  chunks = jax.tree.leaves(stage.layers_VxLc)[0].shape[0]
+  state = {"act": buffer(x, "act"), "act_in": x, "send_act": x,
+           "loss": _varying(jnp.zeros((), jnp.float32), stage.manual),
+           "stats": _varying(_zeros(stats, (chunks, stage.num_layers), jnp.float32),
+                             stage.manual)}
   if stage.layer is None:
     return state
   num_layers = stage.num_layers
@@ -349,33 +374,40 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
 
 def _run(schedule: Schedule, pieces: dict, split_axes: tuple[str, ...], manual: tuple[str, ...],
          scale: float, embed_p, layers_VxLc, head_p, microbatches: dict):
-  """One device's share of the pipeline: (loss, grads) summed over its stage
-  (gradients None for a forward-only table)."""
+  """One device's share of the pipeline: (loss, grads, its layers' counts)
+  summed over its stage (gradients None for a forward-only table)."""
   microbatches = _varying(microbatches, (AXIS,))  # every stage has them, typed like activations
   embed_p, head_p = _varying((embed_p, head_p), manual)
   aux = {k: v for k, v in microbatches.items() if k != "inputs"}
-  x_struct = jax.eval_shape(pieces["embed_fn"], embed_p, microbatches["inputs"][0])
+  x_struct = jax.eval_shape(pieces["embed_fn"], embed_p, microbatches["inputs"][0],
+                            _take(aux, 0))
   stage = Stage(lax.axis_index(AXIS), schedule.num_stages, schedule.num_chunks, embed_p,
-                layers_VxLc, jax.tree.leaves(layers_VxLc)[0].shape[1], head_p, microbatches["inputs"], aux, **pieces, scale=scale,
+                layers_VxLc, jax.tree.leaves(layers_VxLc)[0].shape[1], head_p,
+                microbatches["inputs"], aux, **pieces, scale=scale,
                 zeros_x=_varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual),
                 manual=manual)
   if schedule.has_backward:  # the vjps are traced where they run, at one layer's shapes
     aux0, one_layer = _take(aux, 0), jax.tree.map(lambda x: x[0, 0], layers_VxLc)
     stage = dataclasses.replace(
         stage, layer=split_vjp(pieces["layer_fn"], one_layer, stage.zeros_x, aux0),
-        head=split_vjp(lambda p, x, a: pieces["loss_fn"](p, x, a) * scale, head_p, stage.zeros_x,
-                       aux0))
+        head=split_vjp(lambda p, x, a: (pieces["loss_fn"](p, x, a) * scale, {}), head_p,
+                       stage.zeros_x, aux0))
   tables = {name: getattr(schedule, name) for name in ("op", "mb", "chunk", *SLOT_FIELDS)}
   tables["sends"] = schedule.sends()
   state, _ = lax.scan(stage.tick, initial_state(stage, schedule), tables)
   summed = (AXIS, *split_axes)
   loss = lax.psum(state["loss"], summed)
+  # A layer's counts are the whole microbatch's (its token sums span the
+  # devices that split it), alike on those devices: their mean is them.
+  split = math.prod(lax.axis_size(a) for a in split_axes)
+  stats = jax.tree.map(lambda s: (lax.psum(s, split_axes) / split if split_axes else s)[:, None],
+                       state["stats"])
   if stage.layer is None:
-    return loss, None
+    return loss, None, stats
   layers_g = lax.psum(state["layers_g"], split_axes) if split_axes else state["layers_g"]
   return loss, {"embed": lax.psum(state["embed_g"], summed),
                 "layers": jax.tree.map(lambda g: g[:, None], layers_g),
-                "head": lax.psum(state["head_g"], summed)}
+                "head": lax.psum(state["head_g"], summed)}, stats
 
 
 def _check(schedule: Schedule, mesh: Mesh, microbatches: dict[str, jax.Array]) -> None:
@@ -428,10 +460,12 @@ def pipeline_loss_and_grads(
       per replica ([R] and [R, ...]), never summed over it.
 
   Returns:
-    (loss, grads): float32, grads shaped like params. Embed and head gradients are
-    summed over `pipeline` once, after the last tick (only stage 0, resp.
-    P-1, has a nonzero one): one all-reduce per step instead of a collective
-    per tick, and none inside a branch that only some stages take.
+    (loss, grads, stats): float32, grads shaped like params. Embed and head
+    gradients are summed over `pipeline` once, after the last tick (only
+    stage 0, resp. P-1, has a nonzero one): one all-reduce per step instead of
+    a collective per tick, and none inside a branch that only some stages
+    take. `stats`: each layer's counts summed over the microbatches, stacked
+    like the layers ([P*V*Lc, ...] leaves).
   """
   _check(schedule, mesh, microbatches)
   # Axes that split the microbatch but no weight: each device sums its own gradients.
@@ -448,22 +482,23 @@ def pipeline_loss_and_grads(
       embed_p, layers_Vx1xLc, head_p = jax.tree.map(lambda x: x[0],
                                                     (embed_p, layers_Vx1xLc, head_p))
     layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), (*split_axes, *replica))
-    loss, grads = run(embed_p, layers_VxLc, head_p, microbatches)
-    return jax.tree.map(lambda x: x[None], (loss, grads)) if replica else (loss, grads)
+    out = run(embed_p, layers_VxLc, head_p, microbatches)
+    return jax.tree.map(lambda x: x[None], out) if replica else out
 
   whole, by_stage = PartitionSpec(*replica), PartitionSpec(*replica, None, AXIS)
   grads_spec = {"embed": whole, "layers": by_stage, "head": whole} if schedule.has_backward else None
   staged = functools.partial(to_stages, num_stages=schedule.num_stages,
                              num_chunks=schedule.num_chunks)
   unstaged = from_stages
-  if replica:  # the same per replica
-    staged, unstaged = jax.vmap(staged), jax.vmap(unstaged)
+  if replica:  # the same per replica, leaf by leaf (a tree may be empty)
+    staged, unstaged = _per_replica(staged), _per_replica(unstaged)
   batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
-  loss, grads = jax.shard_map(
+  loss, grads, stats = jax.shard_map(
       device, mesh=mesh, axis_names=set(manual),
       in_specs=(whole, by_stage, whole, batch_spec),
-      out_specs=(whole, grads_spec),
+      out_specs=(whole, grads_spec, by_stage),
   )(params["embed"], staged(params["layers"]), params["head"], microbatches)
+  stats = unstaged(stats)
   if grads is None:
-    return loss, None
-  return loss, {**grads, "layers": unstaged(grads["layers"])}
+    return loss, None, stats
+  return loss, {**grads, "layers": unstaged(grads["layers"])}, stats

@@ -3,9 +3,10 @@
 Zero-bubble pipelines (Qi et al. 2023) run the two halves of a backward at
 different times: B carries the gradient to the previous stage at once, W adds
 up the weight gradients whenever the stage is idle. `split_vjp` builds three
-functions from one `f(params, x, aux) -> y` by cutting jaxprs:
+functions from one `f(params, x, aux) -> (y, stats)` by cutting jaxprs
+(`stats`: values f reports beside y, not differentiated, e.g. MoE counts):
 
-  forward(params, x, aux) -> (y, stash)       residuals that depend on x
+  forward(params, x, aux) -> (y, stash, stats) stash: residuals that depend on x
   backward_input(params, aux, stash, dy) -> (dx, cut)
   backward_weight(params, aux, stash, cut) -> dparams
 
@@ -29,12 +30,13 @@ from meshtrain import jax_internals as core
 
 @dataclasses.dataclass(frozen=True)
 class SplitVjp:
-  forward: Callable[[Any, jax.Array, Any], tuple[jax.Array, list[jax.Array]]]
+  forward: Callable[[Any, jax.Array, Any], tuple[jax.Array, list[jax.Array], Any]]
   backward_input: Callable[[Any, Any, list[jax.Array], jax.Array],
                            tuple[jax.Array, list[jax.Array]]]
   backward_weight: Callable[[Any, Any, list[jax.Array], list[jax.Array]], Any]
   stash: list[jax.ShapeDtypeStruct]  # shapes of one call's stash
   cut: list[jax.ShapeDtypeStruct]    # and of its cut
+  stats: Any                         # shapes of what forward reports beside y
 
 
 def _inline(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
@@ -89,20 +91,24 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   def vjp_leaves(p_leaves, x, a_leaves):
     p = jax.tree.unflatten(params_tree, p_leaves)
     a = jax.tree.unflatten(aux_tree, a_leaves)
-    y, vjp = jax.vjp(lambda p, x: f(p, x, a), p, x)
+    y, vjp, stats = jax.vjp(lambda p, x: f(p, x, a), p, x, has_aux=True)
     residuals, structure["vjp"] = jax.tree.flatten(vjp)
-    return [y, *residuals]
+    stats_leaves, structure["stats"] = jax.tree.flatten(stats)
+    structure["n_stats"] = len(stats_leaves)
+    return [y, *stats_leaves, *residuals]
 
   fwd = jax.make_jaxpr(vjp_leaves)(params_leaves, x, aux_leaves)
   fwd_jaxpr = fwd.jaxpr
+  first_residual = 1 + structure["n_stats"]  # outputs: y, the stats, the residuals
   # Inputs are [params..., x, aux...]; a residual is stashed if it needs x.
   from_x = _depends_on(fwd_jaxpr, [False] * n_params + [True] + [False] * n_aux)
-  stashed = from_x[1:]
+  stashed = from_x[first_residual:]
   y_aval = fwd_jaxpr.outvars[0].aval
-  recompute_jaxpr, recompute_inputs = core.dce(fwd_jaxpr, [False] + [not s for s in stashed])
+  recompute_jaxpr, recompute_inputs = core.dce(
+      fwd_jaxpr, [False] * first_residual + [not s for s in stashed])
   recompute = core.jaxpr_as_fun(core.ClosedJaxpr(recompute_jaxpr, fwd.consts))
 
-  residual_avals = [v.aval for v in fwd_jaxpr.outvars[1:]]
+  residual_avals = [v.aval for v in fwd_jaxpr.outvars[first_residual:]]
   bwd = _inline(jax.make_jaxpr(
       lambda res, dy: jax.tree.leaves(jax.tree.unflatten(structure["vjp"], res)(dy)))(
           residual_avals, y_aval))
@@ -139,8 +145,9 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
     return [next(stash) if s else next(recomputed) for s in stashed]
 
   def forward(params, x, aux):
-    y, *res = core.jaxpr_as_fun(fwd)(*jax.tree.leaves(params), x, *jax.tree.leaves(aux))
-    return y, [r for r, s in zip(res, stashed) if s]
+    y, *rest = core.jaxpr_as_fun(fwd)(*jax.tree.leaves(params), x, *jax.tree.leaves(aux))
+    stats = jax.tree.unflatten(structure["stats"], rest[:first_residual - 1])
+    return y, [r for r, s in zip(rest[first_residual - 1:], stashed) if s], stats
 
   def backward_input(params, aux, stash, dy):
     dx, *cut_values = b_fn(*residuals(params, aux, stash), dy)
@@ -149,10 +156,12 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   def backward_weight(params, aux, stash, cut_values):
     return jax.tree.unflatten(params_tree, w_fn(*residuals(params, aux, stash), *cut_values))
 
+  stats_avals = [v.aval for v in fwd_jaxpr.outvars[1:first_residual]]
   return SplitVjp(forward, backward_input, backward_weight,
                   stash=[_struct(a) for a, s in zip(residual_avals, stashed) if s],
-                  cut=[_struct(v.aval) for v in cut])
+                  cut=[_struct(v.aval) for v in cut],
+                  stats=jax.tree.unflatten(structure["stats"], map(_struct, stats_avals)))
 
 
 def _struct(aval) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  return core.struct_of(aval)

@@ -1,0 +1,182 @@
+"""Mixture-of-Experts: the step against a dense model of the same active
+parameters and against a plain loop over experts; loss and balance on
+shakespeare BPE.
+
+  python bench/moe.py speed [--steps 4] [--rounds 3]
+  python bench/moe.py quality [--steps 200]
+
+speed: on 8 simulated CPU devices, the tiny model (4 layers, width 128,
+global batch 16 x 128 tokens) as a dense SwiGLU (hidden 384) and as 8
+experts top-2 of hidden 192 each (the same active MLP parameters), both under
+meshtrain on `fsdp=8` (the experts split over `fsdp`: two all-to-alls per MoE
+layer forward), the MoE also with every expert on every device
+(`expert_parallel=""`), and two plain-JAX baselines with the batch split over
+8 devices and the weights replicated: the dense model, and the MoE whose
+experts are a plain loop (every expert on every token, weighted by the
+router). They take turns as in bench/strategies.py; a time is the median
+step. Writes bench/results/moe_speed.json and its table in docs/moe.md.
+
+quality: the same dense model and 8 experts top-2 trained `steps` steps on
+shakespeare with a 1024-id BPE (`meshtrain prepare`, into a temporary
+directory), on `fsdp=8`: without balancing, with the switch loss (coef 0.01)
+and with DeepSeek-V3's bias (rate 1e-3, no switch loss). Evaluates every 25
+steps on the held-out split; draws docs/moe.png (eval loss, busiest expert
+over the mean) and writes bench/results/moe_quality.json and its table.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from meshtrain.config import get_config  # noqa: E402
+from meshtrain.data.prepare import prepare  # noqa: E402
+from meshtrain.models.flops import active_params, total_params  # noqa: E402
+from meshtrain.models.llama import Slots  # noqa: E402
+from meshtrain.train.loop import train  # noqa: E402
+from meshtrain.train.parallelize import llama_spec, model_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from report import write_section  # noqa: E402
+from strategies import PlainRunner, Runner, time_in_turns  # noqa: E402
+
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+DOC = REPO / "docs" / "moe.md"
+EXPERTS = dict(num_experts=8, experts_per_token=2, mlp_dim=192)  # active = the dense 384
+BALANCING = {
+    "8 experts top-2, no balancing": dict(aux_loss_coef=0.0),
+    "8 experts top-2, switch loss 0.01": dict(aux_loss_coef=0.01),
+    "8 experts top-2, bias 1e-3": dict(aux_loss_coef=0.0, bias_update_rate=1e-3),
+}
+
+
+def config(moe: dict | None = None, **changes):
+  cfg = get_config()
+  cfg.update(global_batch=16, seq_len=128, **changes)
+  cfg.mesh.update(data=1, fsdp=8)
+  cfg.checkpoint.every_steps = 0
+  if moe:
+    cfg.model.moe.update(EXPERTS | moe)
+  return cfg
+
+
+def loop_over_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
+                      w_down_ExFxD):
+  """The experts slot written plainly: every expert on every token, weighted
+  by what the router gave it (zero where it did not choose it)."""
+  y_BxLxD = jnp.zeros(x_BxLxD.shape, jnp.float32)
+  for e in range(w_gate_ExDxF.shape[0]):
+    h = jax.nn.silu(x_BxLxD @ w_gate_ExDxF[e]) * (x_BxLxD @ w_up_ExDxF[e])
+    weight_BxL = jnp.sum(jnp.where(expert_BxLxK == e, weight_BxLxK, 0.0), axis=-1)
+    y_BxLxD = y_BxLxD + weight_BxL[..., None] * (h @ w_down_ExFxD[e])
+  return y_BxLxD.astype(x_BxLxD.dtype)
+
+
+def speed(steps: int, rounds: int):
+  dense, moe = config(), config(moe={})
+  loop_spec = llama_spec(model_config(moe), Slots(experts=loop_over_experts), moe.seed)
+  runners = {
+      "meshtrain dense, fsdp 8": Runner(dense),
+      "meshtrain MoE, fsdp 8, experts over fsdp": Runner(moe),
+      "meshtrain MoE, fsdp 8, every expert everywhere": Runner(config(moe={},
+                                                                    expert_parallel="")),
+      "plain jax dense, batch over 8": PlainRunner(jax.devices(), dense),
+      "plain jax loop over experts, batch over 8": PlainRunner(jax.devices(), moe, loop_spec),
+  }
+  measured = time_in_turns(runners, steps, rounds)
+  median = {name: float(np.median(r.times)) for name, r in runners.items()}
+  dense_s = median["meshtrain dense, fsdp 8"]
+  loop_s = median["plain jax loop over experts, batch over 8"]
+  rows = [{"run": name, "step_s": median[name], "over_meshtrain_dense": median[name] / dense_s,
+           "over_plain_loop": median[name] / loop_s,
+           "collective_mib": measured[name] / 2**20, "compile_s": r.compile_s}
+          for name, r in runners.items()]
+  table = ["| run | step / meshtrain dense | step / plain loop over experts | "
+           "collectives MiB per device (profiled step) | compile s |", "|---|---|---|---|---|"]
+  table += [f"| {r['run']} | {r['over_meshtrain_dense']:.2f} | {r['over_plain_loop']:.2f} | "
+            f"{r['collective_mib']:.1f} | {r['compile_s']:.1f} |" for r in rows]
+  write_section("moe_speed", rows, "\n".join(table), doc=DOC,
+                command=f"python bench/moe.py speed --steps {steps} --rounds {rounds}")
+  print("\n".join(table))
+
+
+def quality(steps: int):
+  runs = {"dense (hidden 384)": None, **BALANCING}
+  results = []
+  with tempfile.TemporaryDirectory() as tmp:
+    prepare([str(SHAKESPEARE)], "train:1024", f"{tmp}/corpus")
+    for name, moe in runs.items():
+      print(f"training {name}", flush=True)
+      cfg = config(moe=moe, steps=steps, workdir=f"{tmp}/{len(results)}", log_every=1)
+      cfg.model.vocab_size = 1024
+      cfg.data.update(source="tokens", path=f"{tmp}/corpus")
+      cfg.eval.update(every_steps=25, batches=8)
+      records = train(cfg)
+      spec = llama_spec(model_config(cfg))
+      results.append({
+          "run": name, "active_params": active_params(model_config(cfg), spec.abstract_params),
+          "total_params": total_params(spec.abstract_params),
+          "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
+          "eval_steps": [r["step"] for r in records if "eval_loss" in r],
+          "eval_loss": [r["eval_loss"] for r in records if "eval_loss" in r],
+          "load_max_over_mean": [r.get("moe_load_max_over_mean") for r in records]})
+  draw(results, REPO / "docs" / "moe.png")
+  table = ["| run | parameters (active / total) | eval loss | busiest expert / mean "
+           "(mean of the last 20 steps) |", "|---|---|---|---|"]
+  for r in results:
+    load = r["load_max_over_mean"][-20:]
+    load_text = "—" if load[0] is None else f"{np.mean(load):.2f}"
+    table.append(f"| {r['run']} | {r['active_params'] / 1e6:.2f}M / "
+                 f"{r['total_params'] / 1e6:.2f}M | {r['eval_loss'][-1]:.4f} | {load_text} |")
+  write_section("moe_quality", results, f"{steps} steps of 16 x 128 tokens, eval on 8 held-out "
+                "batches.\n\n" + "\n".join(table), doc=DOC,
+                command=f"python bench/moe.py quality --steps {steps}")
+  print("\n".join(table))
+
+
+def draw(results: list[dict], path: Path):
+  fig, (loss_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  for r in results:
+    loss_ax.plot(r["eval_steps"], r["eval_loss"], marker="o", markersize=3, label=r["run"])
+    if r["load_max_over_mean"][0] is not None:
+      load_ax.plot(r["steps"], r["load_max_over_mean"], label=r["run"], linewidth=1)
+  loss_ax.set_xlabel("step")
+  loss_ax.set_ylabel("eval loss (held-out shakespeare)")
+  loss_ax.set_title("same active parameters")
+  loss_ax.legend(fontsize=8)
+  load_ax.axhline(1.5, color="grey", linestyle="--", linewidth=1)
+  load_ax.set_xlabel("step")
+  load_ax.set_ylabel("busiest expert / mean load (worst layer)")
+  load_ax.set_title("balance")
+  load_ax.legend(fontsize=8)
+  fig.suptitle("tiny Llama on shakespeare (1024-id BPE), 8 simulated devices (fsdp=8)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("part", choices=("speed", "quality"))
+  parser.add_argument("--steps", type=int, default=None)
+  parser.add_argument("--rounds", type=int, default=3)
+  args = parser.parse_args()
+  if args.part == "speed":
+    speed(args.steps or 4, args.rounds)
+  else:
+    quality(args.steps or 200)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,201 @@
+"""The Mixture-of-Experts MLP: a router in float32 choosing k of E SwiGLU
+experts for each token, an optional dense shared expert beside them, and the
+balancing of the experts' load.
+
+Routing: scores are the softmax (Mixtral, Qwen) or the sigmoid (DeepSeek-V3)
+of the router's logits. The k experts are those with the highest score plus a
+selection-only bias (DeepSeek-V3's auxiliary-loss-free balancing; zero
+otherwise); the token's weights are their unbiased scores, renormalised to
+sum to 1 where `normalize_top_k`, times `route_scale`. With a
+`capacity_factor` c > 0, an expert takes at most ceil(c x L x k / E) of a
+sequence's assignments, first come (by position, then by rank) first
+served; the rest are dropped (weight 0). How the kept assignments reach their
+experts, on this device or across the expert-parallel axes, is the model's
+`experts` slot (`meshtrain.parallel.experts`).
+
+Balance, in every MoE layer:
+  switch loss   E x sum_e f_e x P_e, with f_e the share of the batch's k x T
+                assignments that chose expert e and P_e the mean over tokens
+                of its normalised score: 1.0 for a perfectly balanced router
+                (Hugging Face's `load_balancing_loss_func` is k times this).
+                The step's loss weighs it `aux_loss_coef` / (MoE layers):
+                its gradient is added to the scores' in the backward
+                (`with_aux_gradient`, Megatron's MoEAuxLossAutoScaler), so no
+                layer has to hand a second loss up to the head.
+  bias          the per-expert selection bias, model state rather than a
+                weight: after each step it moves by
+                `bias_update_rate` x sign(mean load - load) (`update_bias`).
+Counts (load, tokens, dropped) are sums over every token of the batch, by the
+model's `token_sum` slot, so they are the same on every mesh.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshtrain import rules as r
+from meshtrain.models.layers import MLP, MLP_OUT, param
+from meshtrain.parallel import experts as experts_kernels
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 0  # 0: the dense MLP
+  experts_per_token: int = 2
+  mlp_dim: int = 0  # each expert's hidden width; 0: the model's mlp_dim
+  shared_mlp_dim: int = 0
+  first_dense_layers: int = 0
+  router: str = "softmax"
+  normalize_top_k: bool = True
+  route_scale: float = 1.0
+  aux_loss_coef: float = 0.01
+  bias_update_rate: float = 0.0
+  capacity_factor: float = 0.0
+
+  def capacity(self, length: int) -> int:
+    """Assignments an expert takes from one sequence of `length` tokens (0: all)."""
+    if not self.capacity_factor:
+      return 0
+    return math.ceil(self.capacity_factor * length * self.experts_per_token / self.num_experts)
+
+
+class Routing(NamedTuple):
+  expert_BxLxK: jax.Array  # int32, -1 where the assignment was dropped
+  weight_BxLxK: jax.Array  # float32, 0 where dropped
+
+
+class Stats(NamedTuple):
+  """A layer's routing counts, sums over every token of the batch (and, over
+  a step's forwards, sums again: `forwards` counts them)."""
+  load_E: jax.Array     # assignments that chose each expert (before capacity)
+  tokens: jax.Array     # tokens routed
+  dropped: jax.Array    # assignments dropped by capacity
+  aux_loss: jax.Array   # the switch loss (a value; its gradient is injected)
+  forwards: jax.Array   # 1 per forward
+
+
+def _plain_sum(x: jax.Array) -> jax.Array:
+  """Sum over the leading [batch, length] dimensions."""
+  return x.sum(axis=(0, 1))
+
+
+@jax.custom_vjp
+def with_aux_gradient(probs_BxLxE: jax.Array, grad_BxLxE: jax.Array) -> jax.Array:
+  """`probs` unchanged; in the backward, `grad` is added to its cotangent (the
+  gradient of an auxiliary loss that is not part of the forward's output)."""
+  return probs_BxLxE
+
+
+def _with_aux_fwd(probs_BxLxE, grad_BxLxE):
+  return probs_BxLxE, grad_BxLxE
+
+
+def _with_aux_bwd(grad_BxLxE, cotangent_BxLxE):
+  return cotangent_BxLxE + grad_BxLxE, jnp.zeros_like(grad_BxLxE)
+
+
+with_aux_gradient.defvjp(_with_aux_fwd, _with_aux_bwd)
+
+
+def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoEConfig,
+          token_sum: Callable[[jax.Array], jax.Array] = _plain_sum,
+          aux_weight: float = 1.0) -> tuple[Routing, Stats]:
+  """The k experts and weights of every token, and the layer's counts.
+  `aux_weight` is the step loss's weight of this layer's switch loss."""
+  k, num_experts = cfg.experts_per_token, cfg.num_experts
+  logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
+                            router_DxE.astype(jnp.float32))
+  scores_BxLxE = (jax.nn.softmax(logits_BxLxE, axis=-1) if cfg.router == "softmax"
+                  else jax.nn.sigmoid(logits_BxLxE))
+  probs_BxLxE = scores_BxLxE / scores_BxLxE.sum(axis=-1, keepdims=True)  # softmax: unchanged
+  _, expert_BxLxK = jax.lax.top_k(jax.lax.stop_gradient(scores_BxLxE) + bias_E, k)
+  chosen_BxLxE = jax.nn.one_hot(expert_BxLxK, num_experts, dtype=jnp.float32).sum(axis=2)
+  tokens = token_sum(jnp.ones(x_BxLxD.shape[:2] + (1,), jnp.float32))[0]
+  load_E = token_sum(chosen_BxLxE)
+  share_E = load_E / (k * tokens)
+  aux_loss = num_experts * jnp.sum(share_E * token_sum(jax.lax.stop_gradient(probs_BxLxE)) / tokens)
+  if aux_weight and cfg.aux_loss_coef:  # d(weight x loss)/d(probs) of each token
+    grad_E = aux_weight * cfg.aux_loss_coef * num_experts * share_E / tokens
+    probs_BxLxE = with_aux_gradient(probs_BxLxE, jnp.broadcast_to(grad_E, probs_BxLxE.shape))
+  weights_source = probs_BxLxE if cfg.router == "softmax" else scores_BxLxE
+  weight_BxLxK = jnp.take_along_axis(weights_source, expert_BxLxK, axis=-1)
+  if cfg.normalize_top_k:
+    weight_BxLxK = weight_BxLxK / weight_BxLxK.sum(axis=-1, keepdims=True)
+  weight_BxLxK = weight_BxLxK * cfg.route_scale
+  capacity = cfg.capacity(x_BxLxD.shape[1])
+  dropped = jnp.zeros((), jnp.float32)
+  if capacity:
+    kept_BxLxK = _within_capacity(expert_BxLxK, num_experts, capacity)
+    dropped = token_sum((~kept_BxLxK).astype(jnp.float32).sum(axis=-1, keepdims=True))[0]
+    expert_BxLxK = jnp.where(kept_BxLxK, expert_BxLxK, -1)
+    weight_BxLxK = jnp.where(kept_BxLxK, weight_BxLxK, 0.0)
+  return (Routing(expert_BxLxK.astype(jnp.int32), weight_BxLxK),
+          Stats(load_E, tokens, dropped, aux_loss, jnp.ones((), jnp.float32)))
+
+
+def _within_capacity(expert_BxLxK: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+  """Whether each assignment is among the first `capacity` its expert gets in
+  its sequence, in order of position, then rank."""
+  b, length, k = expert_BxLxK.shape
+  onehot_BxAxE = jax.nn.one_hot(expert_BxLxK.reshape(b, length * k), num_experts, dtype=jnp.int32)
+  before_BxAxE = jnp.cumsum(onehot_BxAxE, axis=1) - onehot_BxAxE
+  rank_BxA = jnp.sum(before_BxAxE * onehot_BxAxE, axis=-1)
+  return (rank_BxA < capacity).reshape(b, length, k)
+
+
+def update_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+  """DeepSeek-V3's balancing step: experts above the mean load lose `rate`, below it gain it."""
+  return bias_E + rate * jnp.sign(load_E.mean(axis=-1, keepdims=True) - load_E)
+
+
+def metrics(stats: dict, k: int) -> dict[str, jax.Array]:
+  """A step's MoE metrics from its layers' counts (fields of `Stats`, [L, ...]):
+  the mean switch loss of a layer, the worst layer's busiest expert over its
+  mean load, and the share of assignments dropped by capacity."""
+  load_LxE = stats["load_E"]
+  return {"moe_aux_loss": jnp.mean(stats["aux_loss"] / stats["forwards"]),
+          "moe_load_max_over_mean": jnp.max(load_LxE.max(axis=-1) / load_LxE.mean(axis=-1)),
+          "moe_dropped_fraction": stats["dropped"].sum() / (k * stats["tokens"].sum())}
+
+
+# The routed experts' computation: (x_BxLxD, expert_BxLxK, weight_BxLxK,
+# w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> y_BxLxD, each token's weighted
+# sum of its kept experts' outputs (`meshtrain.parallel.experts`).
+ExpertsFn = Callable[..., jax.Array]
+
+
+class MoE(nnx.Module):
+  """Routed SwiGLU experts (and a shared one): `forward(x) -> (y, Stats)`."""
+
+  def __init__(self, embed_dim: int, hidden_dim: int, cfg: MoEConfig, rngs: nnx.Rngs,
+               experts: ExpertsFn = experts_kernels.grouped_experts,
+               token_sum: Callable[[jax.Array], jax.Array] = _plain_sum, aux_weight: float = 1.0):
+    d, e, f = embed_dim, cfg.num_experts, cfg.mlp_dim or hidden_dim
+    self.cfg, self.experts, self.token_sum, self.aux_weight = cfg, experts, token_sum, aux_weight
+    self.router_DxE = param(rngs, (d, e), (r.EMBED, None), d)
+    self.w_gate_ExDxF = param(rngs, (e, d, f), (r.EXPERTS, r.EMBED, r.EXPERT_MLP), d)
+    self.w_up_ExDxF = param(rngs, (e, d, f), (r.EXPERTS, r.EMBED, r.EXPERT_MLP), d)
+    self.w_down_ExFxD = param(rngs, (e, f, d), (r.EXPERTS, r.EXPERT_MLP, r.EMBED), f)
+    self.bias_E = nnx.BatchStat(jnp.zeros((e,), jnp.float32), sharding_names=(None,),
+                                eager_sharding=False)
+    self.shared = MLP(d, cfg.shared_mlp_dim, rngs) if cfg.shared_mlp_dim else None
+
+  def forward(self, x_BxLxD: jax.Array) -> tuple[jax.Array, Stats]:
+    routing, stats = route(x_BxLxD, self.router_DxE[...], self.bias_E[...], self.cfg,
+                           self.token_sum, self.aux_weight)
+    y_BxLxD = self.experts(x_BxLxD, routing.expert_BxLxK, routing.weight_BxLxK,
+                           self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...])
+    if self.shared is not None:
+      y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
+    return checkpoint_name(r.constrain(y_BxLxD, (r.BATCH, r.LENGTH, r.ACT_EMBED)), MLP_OUT), stats
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    return self.forward(x_BxLxD)[0]

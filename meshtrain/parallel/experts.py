@@ -1,0 +1,195 @@
+"""The routed experts' computation: tokens to the experts they chose, a grouped
+GEMM (`jax.lax.ragged_dot`) per expert, the weighted outputs back.
+
+  grouped_experts   on one device's tokens and experts (the one-device path,
+                    and each device's share inside `expert_parallel`).
+  expert_parallel   experts split over mesh axes (`config.expert_parallel`):
+                    each device buckets its tokens' assignments by the device
+                    holding the expert, `lax.all_to_all` sends the buckets
+                    there and the outputs back (two per MoE layer forward,
+                    beside one of [n, E_local] counts), and every device runs
+                    its own experts on what arrived.
+
+Contract of both: `(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF,
+w_up_ExDxF, w_down_ExFxD) -> y_BxLxD` with y[b, l] = sum_k weight[b, l, k] x
+SwiGLU_{expert[b, l, k]}(x[b, l]); an assignment with expert -1 (dropped by
+capacity) contributes nothing. Equal to a plain loop over experts.
+
+Buckets have a fixed size, as every collective here does
+(`lax.ragged_all_to_all`, which sends only what is there, does not run on
+XLA:CPU in jax 0.10): dropless, a device can send another at most
+T x min(k, E_local) assignments of its T tokens, and a bucket holds that
+many; with a capacity of c assignments per sequence and expert, at most
+B x E_local x c. `expert_capacity` says which.
+
+Inside `expert_parallel`'s shard_map the token axes (those splitting batch or
+length), the expert axes and `tensor` are manual. `tensor` splits each
+expert's hidden width (expert tensor parallelism): every tensor device routes
+the same tokens, runs its slice of every expert and the partial outputs are
+summed over `tensor`. Inside another shard_map (the pipeline's) it opens
+none: with no expert axes every device runs every expert on the tokens it
+holds (the experts' weights then shard like any FSDP weight), and expert
+axes the caller holds manual exchange on the local shards directly.
+
+`manual_token_sum` is the model's `token_sum` slot inside such a shard_map:
+a per-token count summed over the tokens of every device that splits them.
+"""
+
+import math
+
+import flax.core.spmd
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshtrain import rules as r
+from meshtrain.mesh import AXES
+
+TOKEN_AXES = ("data", "fsdp", "sequence")  # mesh axes that may split the tokens
+EXPERT_AXES = TOKEN_AXES  # the axes `config.expert_parallel` may name
+
+
+def _swiglu_experts(x_NxD: jax.Array, groups_G: jax.Array, w_gate_GxDxF: jax.Array,
+                    w_up_GxDxF: jax.Array, w_down_GxFxD: jax.Array) -> jax.Array:
+  """Rows of x grouped by expert (`groups_G` rows each, then rows of none) through
+  their experts; rows past the groups come out zero."""
+  dtype = x_NxD.dtype
+  def dot(x, w):
+    return lax.ragged_dot(x, w.astype(dtype), groups_G, preferred_element_type=jnp.float32)
+  h_NxF = (jax.nn.silu(dot(x_NxD, w_gate_GxDxF)) * dot(x_NxD, w_up_GxDxF)).astype(dtype)
+  return dot(h_NxF, w_down_GxFxD)
+
+
+def _grouped(x_NxD: jax.Array, expert_N: jax.Array, num_experts: int, w_gate, w_up, w_down):
+  """Each row through expert `expert_N` (-1: none, zero out), in the rows' order."""
+  key_N = jnp.where(expert_N >= 0, expert_N, num_experts)
+  order_N = jnp.argsort(key_N, stable=True)
+  groups_G = jnp.bincount(key_N, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  out_NxD = _swiglu_experts(x_NxD[order_N], groups_G, w_gate, w_up, w_down)
+  return jnp.zeros_like(out_NxD).at[order_N].set(out_NxD)
+
+
+def grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
+                    w_down_ExFxD) -> jax.Array:
+  """All experts on this device: every assignment a row, grouped by expert."""
+  b, length, d = x_BxLxD.shape
+  k = expert_BxLxK.shape[-1]
+  rows_AxD = jnp.repeat(x_BxLxD.reshape(b * length, d), k, axis=0)
+  out_AxD = _grouped(rows_AxD, expert_BxLxK.reshape(-1), w_gate_ExDxF.shape[0], w_gate_ExDxF,
+                     w_up_ExDxF, w_down_ExFxD)
+  out_BxLxKxD = out_AxD.reshape(b, length, k, d)
+  y = jnp.einsum("blkd,blk->bld", out_BxLxKxD, weight_BxLxK.astype(jnp.float32))
+  return y.astype(x_BxLxD.dtype)
+
+
+def manual_token_sum(x_BxL: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Sum over the leading [batch, length] dimensions and over those of the
+  mesh `axes` that split them manually here (none outside a shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = tuple(a for a in axes if not mesh.empty and a in mesh.manual_axes)
+  return lax.psum(x_BxL.sum(axis=(0, 1)), manual) if manual else x_BxL.sum(axis=(0, 1))
+
+
+def expert_capacity(tokens: int, rows: int, k: int, local_experts: int,
+                    per_sequence: int = 0) -> int:
+  """A bucket's size: what one device can send another (module docstring)."""
+  dropless = tokens * min(k, local_experts)
+  return min(dropless, rows * local_experts * per_sequence) if per_sequence else dropless
+
+
+def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tuple[str, ...],
+              n: int, capacity: int, tensor: str | None):
+  """One device's share: its T tokens' assignments to the n devices of `axes`
+  (expert e on device e // E_local), its E_local experts on what arrives.
+
+  Each bucket holds its assignments ordered by expert, so a device learns what
+  it received from the counts per expert alone (a small all-to-all of
+  [n, E_local] integers), not from an id per row."""
+  t, k = expert_TxK.shape
+  d, local = x_TxD.shape[-1], w_gate.shape[0]
+  num_experts = n * local
+  expert_A = expert_TxK.reshape(t * k)
+  expert_A = jnp.where(expert_A >= 0, expert_A, num_experts)  # num_experts: dropped
+  order_A = jnp.argsort(expert_A, stable=True)  # by device, then by its experts
+  counts_E = jnp.bincount(expert_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  dest_A = expert_A // local  # n: dropped, sent nowhere
+  starts_N = jnp.cumsum(counts_E.reshape(n, local).sum(1)) - counts_E.reshape(n, local).sum(1)
+  rank_sorted = jnp.arange(t * k) - starts_N.at[dest_A[order_A]].get(mode="fill", fill_value=0)
+  slot_A = jnp.zeros_like(dest_A).at[order_A].set(rank_sorted)
+  token_A = jnp.arange(t * k) // k
+  send_NxCxD = jnp.zeros((n, capacity, d), x_TxD.dtype).at[dest_A, slot_A].set(
+      x_TxD[token_A], mode="drop")
+  counts_NxL = counts_E.reshape(n, local)
+  if n > 1:
+    send_NxCxD = lax.all_to_all(send_NxCxD, axes, 0, 0, tiled=True)
+    counts_NxL = lax.all_to_all(counts_NxL, axes, 0, 0, tiled=True)
+  # Row c from source j belongs to the expert whose run of j's rows holds c.
+  ends_NxL = jnp.cumsum(counts_NxL, axis=1)
+  expert_NxC = jnp.sum(jnp.arange(capacity)[None, :, None] >= ends_NxL[:, None, :], axis=-1)
+  expert_M = jnp.where(expert_NxC < local, expert_NxC, -1).reshape(n * capacity)
+  out_MxD = _grouped(send_NxCxD.reshape(n * capacity, d), expert_M, local, w_gate, w_up,
+                     w_down).astype(x_TxD.dtype)  # back in the activations' dtype
+  if tensor:  # each tensor device ran its slice of the hidden width
+    out_MxD = lax.psum(out_MxD, tensor)
+  back_NxCxD = out_MxD.reshape(n, capacity, d)
+  if n > 1:
+    back_NxCxD = lax.all_to_all(back_NxCxD, axes, 0, 0, tiled=True)
+  out_AxD = back_NxCxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
+  y_TxD = jnp.einsum("tkd,tk->td", out_AxD.reshape(t, k, d), weight_TxK.astype(jnp.float32))
+  return y_TxD.astype(x_TxD.dtype)
+
+
+def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The mesh axes (not yet manual) that split the batch and the length, by
+  the active logical rules."""
+  rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
+  free = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1  # noqa: E731
+                            and a not in mesh.manual_axes and a in TOKEN_AXES)
+  batch, length_axes = free(rules.get(r.BATCH, ())), free(rules.get(r.LENGTH, ()))
+  if batch_size % math.prod(mesh.shape[a] for a in batch):
+    batch = ()
+  if length % math.prod(mesh.shape[a] for a in length_axes):
+    length_axes = ()
+  return batch, length_axes
+
+
+def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
+                    w_down_ExFxD, *, axes: tuple[str, ...], per_sequence: int = 0) -> jax.Array:
+  """The experts split over the mesh axes `axes` (the module docstring); with
+  the mesh in context. `per_sequence` is the capacity of an expert per sequence
+  (0: dropless)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or (mesh.manual_axes and not axes):  # one device, or every expert here
+    return grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
+                           w_down_ExFxD)
+  b, length, d = x_BxLxD.shape
+  batch, length_axes = _token_axes(mesh, b, length)
+  tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and "tensor" not in mesh.manual_axes \
+      else None
+  axes = tuple(sorted((a for a in axes if mesh.shape.get(a, 1) > 1), key=AXES.index))
+  n = math.prod(mesh.shape[a] for a in axes)
+  manual = {*batch, *length_axes, *axes, *([tensor] if tensor else [])} - set(mesh.manual_axes)
+  rows = b // math.prod(mesh.shape[a] for a in batch)
+  tokens = rows * length // math.prod(mesh.shape[a] for a in length_axes)
+  local = w_gate_ExDxF.shape[0] // n
+  capacity = expert_capacity(tokens, rows, expert_BxLxK.shape[-1], local, per_sequence)
+
+  def device(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down):
+    rows, length_here = x_BxLxD.shape[:2]
+    y_TxD = _exchange(x_BxLxD.reshape(rows * length_here, d),
+                      expert_BxLxK.reshape(rows * length_here, -1),
+                      weight_BxLxK.reshape(rows * length_here, -1), w_gate, w_up, w_down,
+                      axes=axes, n=n, capacity=capacity, tensor=tensor)
+    return y_TxD.reshape(rows, length_here, d)
+
+  if not manual:  # every axis is already manual (inside the pipeline): local shards
+    return device(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+  tokens_spec = P(batch or None, length_axes or None)
+  experts = axes or None
+  return jax.shard_map(
+      device, mesh=mesh, axis_names=manual,
+      in_specs=(tokens_spec, tokens_spec, tokens_spec, P(experts, None, tensor),
+                P(experts, None, tensor), P(experts, tensor, None)),
+      out_specs=tokens_spec)(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
+                             w_down_ExFxD)

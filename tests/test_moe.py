@@ -1,0 +1,386 @@
+"""The Mixture-of-Experts layer against a plain loop over experts written here
+(values and gradients, the switch loss's included), on one device and with the
+experts split over mesh axes; its balance and capacity rules; the switch loss
+against transformers'."""
+
+import dataclasses
+import functools
+import json
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import NamedSharding
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from conftest import micro_config, tiered
+from equivalence import assert_matches_one_device
+from reference import random_batches
+from meshtrain import rules as r
+from meshtrain.analysis import hlo
+from meshtrain.analysis.plan import compile_step, plan
+from meshtrain.mesh import make_mesh
+from meshtrain.models.layers import MLP
+from meshtrain.models.moe import MoE, MoEConfig, update_bias
+from meshtrain.parallel import experts
+from meshtrain.train.loop import train
+from meshtrain.train.setup import build
+from meshtrain.workdir import load_model_state
+
+D, F = 16, 24
+STEPS = 4
+
+
+def plain_moe(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, cfg: MoEConfig,
+              bias_E=None, dropped_BxLxK=None):
+  """Routing and every expert on every token, plainly: the reference. Returns
+  the output and the switch loss (differentiable)."""
+  num_experts, k = router_DxE.shape[1], cfg.experts_per_token
+  logits = jnp.einsum("bld,de->ble", x_BxLxD, router_DxE)
+  scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
+  selection = jax.lax.stop_gradient(scores) + (0 if bias_E is None else bias_E)
+  chosen = jnp.argsort(-selection, axis=-1)[..., :k]
+  weights = jnp.take_along_axis(scores, chosen, axis=-1)
+  if cfg.normalize_top_k:
+    weights = weights / weights.sum(-1, keepdims=True)
+  weights = weights * cfg.route_scale
+  if dropped_BxLxK is not None:
+    weights = jnp.where(dropped_BxLxK, 0.0, weights)
+  y = jnp.zeros_like(x_BxLxD)
+  for e in range(num_experts):
+    out = (jax.nn.silu(x_BxLxD @ w_gate_ExDxF[e]) * (x_BxLxD @ w_up_ExDxF[e])) @ w_down_ExFxD[e]
+    y = y + jnp.sum(jnp.where(chosen == e, weights, 0.0), -1, keepdims=True) * out
+  probs = scores / scores.sum(-1, keepdims=True)
+  share = jax.nn.one_hot(chosen, num_experts).sum(2).mean((0, 1)) / k
+  aux = num_experts * jnp.sum(share * probs.mean((0, 1)))
+  return y, aux
+
+
+def mesh_of(**sizes):
+  devices = jax.devices()[:math.prod(sizes.values())]
+  return make_mesh({"data": 1, "pipeline": 1, "fsdp": 1, "sequence": 1, "tensor": 1, **sizes},
+                   devices)
+
+
+def layer(cfg: MoEConfig, experts_fn=experts.grouped_experts, seed=0) -> MoE:
+  return MoE(D, F, cfg, nnx.Rngs(seed), experts_fn)
+
+
+def inputs(batch=4, length=8, seed=1):
+  kx, kc = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(kx, (batch, length, D)), jax.random.normal(kc, (batch, length, D))
+
+
+def weights_of(moe: MoE):
+  return tuple(v[...] for v in (moe.router_DxE, moe.w_gate_ExDxF, moe.w_up_ExDxF,
+                                moe.w_down_ExFxD))
+
+
+def layer_value_and_grads(moe: MoE, x, cotangent):
+  """sum(y * cotangent) and its gradients w.r.t. x and the weights, through
+  the layer (whose switch loss gradient is injected, not summed in)."""
+  graphdef, params, state = nnx.split(moe, nnx.Param, nnx.BatchStat)
+
+  def loss(x, params):
+    y, stats = nnx.merge(graphdef, params, state).forward(x)
+    return jnp.sum(y * cotangent), (y, stats)
+  (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
+  dx, dparams = grads
+  names = ("router_DxE", "w_gate_ExDxF", "w_up_ExDxF", "w_down_ExFxD")
+  return y, stats, (dx, *(dparams[n][...] for n in names))
+
+
+def plain_value_and_grads(moe: MoE, x, cotangent, cfg: MoEConfig, **plain):
+  def loss(x, router, gate, up, down):
+    y, aux = plain_moe(x, router, gate, up, down, cfg, **plain)
+    return jnp.sum(y * cotangent) + cfg.aux_loss_coef * aux, y
+  (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)(
+      x, *weights_of(moe))
+  return y, grads
+
+
+def assert_close(got, want, tolerance=1e-5):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(jnp.max(jnp.abs(w))) or 1.0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tolerance * scale, rtol=1e-4)
+
+
+CONFIGS = {
+    "softmax top-2 of 8": MoEConfig(num_experts=8, experts_per_token=2),
+    "sigmoid top-4 of 8, scaled": MoEConfig(num_experts=8, experts_per_token=4, router="sigmoid",
+                                            route_scale=2.5),
+    "softmax top-2 unnormalised, no aux": MoEConfig(num_experts=4, experts_per_token=2,
+                                                   normalize_top_k=False, aux_loss_coef=0.0),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name):
+  """The switch loss's gradient included: meshtrain injects it into the
+  backward, the reference differentiates coef x loss."""
+  cfg = CONFIGS[name]
+  moe = layer(cfg)
+  x, cotangent = inputs()
+  y, stats, grads = layer_value_and_grads(moe, x, cotangent)
+  ref_y, ref_grads = plain_value_and_grads(moe, x, cotangent, cfg)
+  assert_close(y, ref_y)
+  assert_close(grads, ref_grads)
+  _, ref_aux = plain_moe(x, *weights_of(moe), cfg)
+  np.testing.assert_allclose(float(stats.aux_loss), float(ref_aux), rtol=1e-6)
+
+
+def test_one_expert_top_one_is_the_dense_mlp():
+  cfg = MoEConfig(num_experts=1, experts_per_token=1)
+  moe = layer(cfg)
+  dense = MLP(D, F, nnx.Rngs(0))
+  dense.w_gate_DxF[...] = moe.w_gate_ExDxF[0]
+  dense.w_up_DxF[...] = moe.w_up_ExDxF[0]
+  dense.w_down_FxD[...] = moe.w_down_ExFxD[0]
+  x, _ = inputs()
+  np.testing.assert_allclose(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_dropless_drops_nothing_and_capacity_drops_exactly_what_it_reports():
+  x, cotangent = inputs(length=16)
+  dropless = MoEConfig(num_experts=4, experts_per_token=2, aux_loss_coef=0.0)
+  moe = layer(dropless)
+  # A router that sends most tokens to expert 0: at capacity factor 1 it overflows.
+  moe.router_DxE[...] = moe.router_DxE[...].at[:, 0].add(2.0)
+  assert float(moe.forward(x)[1].dropped) == 0
+  capped = dataclasses.replace(dropless, capacity_factor=1.0)
+  moe.cfg = capped
+  y, stats = moe.forward(x)
+  capacity = capped.capacity(x.shape[1])  # ceil(1 x 16 x 2 / 4) = 8 per sequence and expert
+  logits = jnp.einsum("bld,de->ble", x, moe.router_DxE[...])
+  chosen = jnp.argsort(-logits, axis=-1)[..., :2]
+  # The reference's own account of which assignments overflow: by position, then rank.
+  dropped = np.zeros(chosen.shape, bool)
+  for b in range(chosen.shape[0]):
+    taken = np.zeros(4, int)
+    for t in range(chosen.shape[1]):
+      for j in range(2):
+        e = int(chosen[b, t, j])
+        dropped[b, t, j] = taken[e] >= capacity
+        taken[e] += 1
+  assert dropped.sum() > 0 and float(stats.dropped) == dropped.sum()
+  ref_y, _ = plain_moe(x, *weights_of(moe), capped, dropped_BxLxK=jnp.asarray(dropped))
+  np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_loss_of_a_uniform_router_is_one_and_k_times_it_is_transformers():
+  cfg = MoEConfig(num_experts=8, experts_per_token=2)
+  moe = layer(cfg)
+  x, _ = inputs()
+  moe.router_DxE[...] = jnp.zeros_like(moe.router_DxE[...])
+  assert float(moe.forward(x)[1].aux_loss) == pytest.approx(1.0, abs=1e-6)
+  moe = layer(cfg, seed=3)
+  aux = float(moe.forward(x)[1].aux_loss)
+  logits = jnp.einsum("bld,de->ble", x, moe.router_DxE[...]).reshape(-1, 8)
+  theirs = load_balancing_loss_func((torch.tensor(np.asarray(logits)),), 8, top_k=2)
+  assert cfg.experts_per_token * aux == pytest.approx(float(theirs), rel=1e-5)
+
+
+def test_the_selection_bias_moves_against_the_load():
+  bias = update_bias(jnp.zeros((2, 4)), jnp.asarray([[5., 1., 1., 1.], [2., 2., 2., 2.]]), 1e-3)
+  np.testing.assert_allclose(bias, [[-1e-3, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]])
+  # and it only chooses: the weights stay the unbiased scores.
+  cfg = MoEConfig(num_experts=4, experts_per_token=1, normalize_top_k=False, aux_loss_coef=0.0)
+  moe = layer(cfg)
+  x, _ = inputs()
+  moe.bias_E[...] = jnp.asarray([0.0, 0.0, 0.0, 10.0])  # every token now picks expert 3
+  y, stats = moe.forward(x)
+  np.testing.assert_array_equal(stats.load_E, [0, 0, 0, x.shape[0] * x.shape[1]])
+  ref_y, _ = plain_moe(x, *weights_of(moe), cfg, bias_E=moe.bias_E[...])
+  np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
+
+
+MESHES = {
+    "fsdp=8": (dict(fsdp=8), ("fsdp",)),
+    "data=2 fsdp=4": (dict(data=2, fsdp=4), ("fsdp",)),
+    "expert_parallel=data,fsdp": (dict(data=2, fsdp=4), ("data", "fsdp")),
+    "tensor=2 fsdp=4": (dict(fsdp=4, tensor=2), ("fsdp",)),
+    "sequence=2 fsdp=4": (dict(fsdp=4, sequence=2), ("fsdp",)),
+    "no expert parallelism, data=8": (dict(data=8), ()),
+}
+
+
+@pytest.mark.parametrize("name", MESHES)
+def test_experts_split_over_mesh_axes_equal_the_plain_loop(name):
+  sizes, axes = MESHES[name]
+  mesh = mesh_of(**sizes)
+  cfg = CONFIGS["softmax top-2 of 8"]
+  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes))
+  x, cotangent = inputs(batch=8, length=8)
+  rules = r.strategy_rules(mesh, expert_axes=axes)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
+    tokens = NamedSharding(mesh, r.logical_to_spec((r.BATCH, r.LENGTH), rules.params))
+    y, stats, grads = jax.jit(lambda x, c: layer_value_and_grads(moe, x, c))(
+        jax.device_put(x, tokens), jax.device_put(cotangent, tokens))
+  ref_y, ref_grads = plain_value_and_grads(moe, x, cotangent, cfg)
+  assert_close(y, ref_y)
+  assert_close(grads, ref_grads)
+  _, one_device_stats, _ = layer_value_and_grads(moe, x, cotangent)
+  np.testing.assert_allclose(float(stats.aux_loss), float(one_device_stats.aux_loss), rtol=1e-6)
+  np.testing.assert_array_equal(stats.load_E, one_device_stats.load_E)
+
+
+# Training: every composition equals the same model trained on one device.
+MOE = {"model.moe.num_experts": 8, "model.moe.experts_per_token": 2, "model.moe.mlp_dim": 32,
+       "model.moe.aux_loss_coef": 0.0}  # the switch loss's gradient: tested layer by layer above
+
+COMPOSITIONS = {
+    "fsdp=8": dict(mesh=dict(data=1, fsdp=8)),
+    "data=2 fsdp=4": dict(mesh=dict(data=2, fsdp=4)),
+    "expert_parallel=data,fsdp": dict(mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp"),
+    "tensor=2 fsdp=4": dict(mesh=dict(data=1, fsdp=4, tensor=2)),
+    "tensor=2 fsdp=4 sequence parallel": dict(mesh=dict(data=1, fsdp=4, tensor=2),
+                                              tensor_sequence_parallel=True),
+    **{f"sequence=2 fsdp=4 {s}": dict(mesh=dict(data=1, fsdp=4, sequence=2),
+                                      attention=dict(sequence_strategy=s))
+       for s in ("all_gather_kv", "ulysses", "ring")},
+    **{f"data=2 fsdp=4 zero{stage}": dict(mesh=dict(data=2, fsdp=4), zero_stage=stage)
+       for stage in (1, 2, 3)},
+    "data=2 fsdp=4 accumulate 2": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2),
+    "data=8 accumulate 2 (experts replicated)": dict(mesh=dict(data=8), grad_accum_steps=2,
+                                                     expert_parallel=""),
+    **{f"fsdp=8 remat={remat}": dict(mesh=dict(data=1, fsdp=8), remat=remat)
+       for remat in ("full", "selective")},
+    "fsdp=8 shared expert, first layer dense, sigmoid": dict(
+        mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
+                                                       router="sigmoid", route_scale=2.5))),
+}
+
+
+@pytest.mark.parametrize("case", tiered(COMPOSITIONS, ("expert_parallel=data,fsdp",
+                                                       "fsdp=8 shared expert, first layer dense, "
+                                                       "sigmoid")))
+def test_moe_training_matches_unsharded_plain_jit(case):
+  cfg = micro_config(**MOE)
+  cfg.update(COMPOSITIONS[case])
+  batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  assert_matches_one_device(cfg, batches)
+
+
+@pytest.mark.parametrize("dtype", tiered(["bfloat16", "float16"], ("bfloat16",)))
+def test_moe_in_half_precision_tracks_float32(dtype):
+  """bfloat16, and float16 with loss scaling, on fsdp=8 with the switch loss:
+  the losses stay within rounding of the float32 run (which equals one
+  device above), and no step overflows."""
+  batches = random_batches(STEPS, 16, 16, 64)
+  losses = {}
+  for working in ("float32", dtype):
+    cfg = micro_config(**{**MOE, "mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
+                          "compute_dtype": working, "model.moe.aux_loss_coef": 0.01})
+    setup = build(cfg)
+    state = setup.init_state()
+    for batch in batches:
+      state, metrics = setup.train_step(state, jax.device_put(batch,
+                                                              setup.train_step.batch_sharding))
+      losses.setdefault(working, []).append(float(metrics["loss"]))
+    assert int(metrics["nonfinite_steps"]) == 0
+  np.testing.assert_allclose(losses[dtype], losses["float32"], atol=0.03)
+
+
+def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_no_expert():
+  """Read from the compiled step of fsdp=8: the experts stay where they lie
+  (no all-gather has an expert weight's shape), the tokens travel by
+  all-to-all over `fsdp`, and `meshtrain plan` counts those bytes."""
+  cfg = micro_config(**MOE, **{"mesh.data": 1, "mesh.fsdp": 8})
+  setup = build(cfg)
+  compiled = compile_step(setup)
+  e, d, f = 8, cfg.model.embed_dim, cfg.model.moe.mlp_dim
+  module = hlo._parse_module(compiled.as_text())
+  gathered = [i.shape for i in module.instructions() if i.opcode.startswith("all-gather")]
+  assert not [s for s in gathered if f"{e},{d},{f}" in s or f"{e},{f},{d}" in s], gathered
+  measured = {(c.kind, c.axis): c for c in hlo.collectives(compiled, setup.mesh)}
+  planned = {(c["kind"], c["axis"]): c for c in plan(cfg, 8, False)["collectives"]}
+  assert measured["all-to-all", "fsdp"].bytes == pytest.approx(
+      planned["all-to-all", "fsdp"]["bytes"], rel=0.02)
+  assert measured["all-to-all", "fsdp"].count == planned["all-to-all", "fsdp"]["count"]
+
+
+def moe_run_config(workdir, **changes):
+  return micro_config(**{**MOE, "model.moe.aux_loss_coef": 0.01,
+                         "model.moe.bias_update_rate": 1e-2, "workdir": str(workdir), "steps": 6,
+                         "log_every": 1, "checkpoint.every_steps": 3, "mesh.data": 1,
+                         "mesh.fsdp": 8, **changes})
+
+
+@pytest.mark.slow
+def test_training_logs_balance_moves_the_bias_and_resumes_bit_exactly(tmp_path):
+  """metrics.jsonl has the MoE metrics every step; the selection bias moves
+  by the rate each step (the same on every device: it is replicated), lies in
+  the checkpoint, and a resume from step 3 gives the same losses and bias;
+  a restore onto another expert layout (data=2 x fsdp=4, experts over both)
+  continues within float32 rounding."""
+  straight = train(moe_run_config(tmp_path / "straight"))
+  logged = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
+  for record in logged:
+    assert {"moe_aux_loss", "moe_load_max_over_mean", "moe_dropped_fraction"} <= record.keys()
+    assert record["moe_dropped_fraction"] == 0 and record["moe_load_max_over_mean"] >= 1
+  setup = build(moe_run_config(tmp_path / "straight"))
+  bias = load_model_state(tmp_path / "straight", 6, jax.eval_shape(setup.spec.init_model_state),
+                          setup.shardings.model_state)["layers"]["mlp"]["bias_E"]
+  steps = np.round(np.asarray(bias) / 1e-2)
+  assert np.abs(steps).max() > 0 and np.allclose(steps * 1e-2, bias)  # moved by the rate
+  restore = str(tmp_path / "straight/checkpoints/3")
+  resumed = train(moe_run_config(tmp_path / "resumed", **{"checkpoint.restore_from": restore}))
+  pick = lambda records: [(r["step"], r["loss"], r["moe_load_max_over_mean"])  # noqa: E731
+                          for r in records if r["step"] > 3]
+  assert pick(resumed) == pick(straight)
+  other = train(moe_run_config(tmp_path / "other", **{"checkpoint.restore_from": restore,
+                                                      "mesh.data": 2, "mesh.fsdp": 4,
+                                                      "expert_parallel": "data,fsdp"}))
+  np.testing.assert_allclose([r["loss"] for r in other if r["step"] > 3],
+                             [r["loss"] for r in straight if r["step"] > 3], rtol=1e-5)
+
+
+PIPELINED = {
+    f"pipeline=2 fsdp=4 {schedule}": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
+                                          expert_parallel="", pipeline=dict(schedule=schedule))
+    for schedule in ("1f1b", "zb_h1", "zb_h2", "gpipe")}
+PIPELINED.update({
+    "pipeline=2 data=2 fsdp=2 interleaved, first layer dense": dict(
+        mesh=dict(data=2, pipeline=2, fsdp=2), expert_parallel="", model=dict(
+            num_layers=5, moe=dict(first_dense_layers=1)),
+        pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
+    "pipeline=2 data=2 tensor=2 accumulate 2, switch loss": dict(
+        mesh=dict(data=2, pipeline=2, tensor=2), expert_parallel="", grad_accum_steps=2,
+        pipeline=dict(microbatches=2), model=dict(moe=dict(aux_loss_coef=0.01)))})
+
+
+@pytest.mark.parametrize("case", tiered(PIPELINED, ("pipeline=2 fsdp=4 zb_h1",)))
+def test_moe_in_the_pipeline_matches_the_step_without_it(case):
+  """The pipeline's MoE layers equal one device; with the switch loss on, and
+  its counts, they equal the step without the pipeline over the same
+  microbatches (the loss's gradient against a plain loop is the layer
+  tests' subject)."""
+  cfg = micro_config(**MOE)
+  cfg.update(PIPELINED[case])
+  batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  if not cfg.model.moe.aux_loss_coef:
+    assert_matches_one_device(cfg, batches)
+  # Without the pipeline, accumulating over the same microbatches: a switch
+  # loss is a function of the tokens one forward routes.
+  flat = cfg.copy_and_resolve_references()
+  flat.mesh.pipeline = 1
+  flat.grad_accum_steps *= cfg.pipeline.microbatches
+  runs = {}
+  for name, c, devices in (("pipeline", cfg, 8), ("flat", flat, 8 // cfg.mesh.pipeline)):
+    setup = build(c, jax.devices()[:devices])
+    state = setup.init_state()
+    metrics = []
+    for batch in batches:
+      state, m = setup.train_step(state, jax.device_put(batch, setup.train_step.batch_sharding))
+      metrics.append({k: float(v) for k, v in m.items()})
+    runs[name] = metrics, jax.device_get(state.params)
+  for got, want in zip(runs["pipeline"][0], runs["flat"][0]):
+    for key in ("loss", "moe_aux_loss", "moe_load_max_over_mean"):
+      assert got[key] == pytest.approx(want[key], rel=1e-5), key
+  chex.assert_trees_all_close(runs["pipeline"][1], runs["flat"][1], rtol=1e-5,
+                              atol=1e-3 * cfg.optimizer.learning_rate)
