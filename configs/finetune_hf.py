@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face Llama: `--config configs/finetune_hf.py:SOURCE`.
+"""Fine-tune a Hugging Face model: `--config configs/finetune_hf.py:SOURCE`.
 
 SOURCE is either a workdir `meshtrain import-hf` wrote (training continues in
 it from the imported step 0) or a Hugging Face model directory (a new run in
@@ -6,7 +6,11 @@ it from the imported step 0) or a Hugging Face model directory (a new run in
 model's shape and tokenizer come from SOURCE. Give the data with
 `--config.data.*`, tokenized by the model's own tokenizer.
 
-Settings follow common practice for full fine-tuning of 1-8B Llamas: a peak
+SOURCE may be any family meshtrain imports (Llama, Mistral, Qwen2/2.5, Qwen3,
+Mixtral, Qwen3-MoE; `meshtrain.hf.config`); an MoE model's experts split over
+`fsdp`, so their number must divide it (or set `--config.expert_parallel=`).
+
+Settings follow common practice for full fine-tuning of 1-8B models: a peak
 learning rate ~100x below pre-training's, short warmup, no weight decay,
 bfloat16 compute, and weights, gradients and optimizer state sharded over all
 devices (`fsdp`), the layout that fits the most model per device.

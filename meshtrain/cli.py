@@ -22,7 +22,7 @@ from meshtrain.analysis import clusters, search, selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
-from meshtrain.data.prepare import prepare
+from meshtrain.data.prepare import INPUT_FORMATS, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.hf import exporter
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
@@ -65,8 +65,13 @@ _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here;
                            "directory to create")
 _INPUT = flags.DEFINE_multi_string("input", [], "prepare: text, JSONL or Parquet files, globs or "
                                    "directories (more paths may follow)")
+_FORMAT = flags.DEFINE_enum("format", "text", INPUT_FORMATS, "prepare: text: documents; chat: "
+                            "JSONL conversations ({\"messages\": [...]} a line) rendered with the "
+                            "--tokenizer directory's chat template, the assistant's turns masked "
+                            "in for the loss")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "prepare: bytes | PATH to a tokenizer.json "
-                                 "(or its directory, or a prepared corpus) | train:N (a BPE of N ids)")
+                                 "(or its directory, or a prepared corpus) | train:N (a BPE of N "
+                                 "ids); --format chat: a Hugging Face tokenizer directory")
 _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "prepare: the JSONL field / Parquet column "
                                   "holding the text")
 _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: blank lines separate "
@@ -229,8 +234,9 @@ def prepare_command(argv: list[str]) -> None:
     raise ConfigError("--input", "give the text, JSONL or Parquet files to prepare")
   if not _OUT.value:
     raise ConfigError("--out", "give the directory to write the prepared corpus into")
-  meta = prepare(inputs, _TOKENIZER.value, _OUT.value, text_field=_TEXT_FIELD.value,
-                 split_blank_lines=_SPLIT_BLANK_LINES.value, val_fraction=_VAL_FRACTION.value)
+  meta = prepare(inputs, _TOKENIZER.value, _OUT.value, input_format=_FORMAT.value,
+                 text_field=_TEXT_FIELD.value, split_blank_lines=_SPLIT_BLANK_LINES.value,
+                 val_fraction=_VAL_FRACTION.value)
   print(f"prepared {_OUT.value}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
         f"({meta['dtype']}, vocabulary {meta['vocab_size']}); validation tokens "
         f"{meta['split']['val'][1] - meta['split']['val'][0]:,}")

@@ -56,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_theta = 10_000.0
   c.model.norm_eps = 1e-5
   c.model.tie_embeddings = False  # share the input embedding with the output head
+  c.model.qkv_bias = False      # biases on the q, k and v projections (Qwen2)
+  c.model.qk_norm = False       # RMSNorm of each query and key head before RoPE (Qwen3)
+  c.model.sliding_window = 0    # attend to the last N tokens only (Mistral); 0: the whole causal prefix
   c.model.rope_scaling_factor = 1.0  # Llama 3.1/3.2 RoPE scaling (HF rope_type llama3); 1: none
   c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths > original/low are divided by factor
   c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths < original/high are kept

@@ -67,13 +67,16 @@ def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arr
 def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.Array,
                        cache: tuple[jax.Array, jax.Array], start: jax.Array, first_B: jax.Array):
   """Logits of `tokens` written into cache slots [start, start + S), attending
-  to slots from each row's first real one (`first_B`) up to their own.
+  to slots from each row's first real one (`first_B`) up to their own (of
+  them the last `sliding_window`, where the model has one).
   The cache holds every layer's keys and values, an MoE model's leading
   dense layers first. Returns (float32 logits [B, S, V], updated cache)."""
   cfg, (length, slots) = model.cfg, (tokens_BxS.shape[1], cache[0].shape[2])
   slot_S = start + jnp.arange(length)
   visible_BxSxT = ((jnp.arange(slots)[None, None, :] <= slot_S[None, :, None])
                    & (jnp.arange(slots)[None, None, :] >= first_B[:, None, None]))
+  if cfg.sliding_window:  # the last `sliding_window` slots, itself included
+    visible_BxSxT &= jnp.arange(slots)[None, None, :] > slot_S[None, :, None] - cfg.sliding_window
   stacks = [layers for layers in (model.dense_layers, model.layers) if layers is not None]
   x_BxSxD, updated = model.embed(tokens_BxS), []
   first = 0

@@ -79,6 +79,7 @@ RULES: dict[str, Rule] = {
     **{f"model.{name}": at_least(1) for name in (
         "vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "mlp_dim")},
+    "model.sliding_window": at_least(0),
     "model.rope_theta": above(0),
     "model.norm_eps": above(0),
     **{f"model.moe.{name}": at_least(0) for name in (

@@ -19,9 +19,11 @@ def _step(params, opt_state, batch, model_state, *, graphdef, apply, optimizer):
     logits = (apply(p, batch["inputs"]) if apply
               else nnx.merge(graphdef, p, *state)(batch["inputs"], **packed))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    if "segment_ids" not in batch:
-      return losses.mean()
-    counted = batch["segment_ids"] != 0  # packed documents: padding's targets do not count
+    counted = np.ones(losses.shape, bool)
+    if "segment_ids" in batch:  # packed documents: padding's targets do not count
+      counted = counted & (batch["segment_ids"] != 0)
+    if "loss_mask" in batch:  # conversations: only the assistant's tokens count
+      counted = counted & (batch["loss_mask"] != 0)
     return (losses * counted).sum() / counted.sum()
   loss, grads = jax.value_and_grad(loss_fn)(params)
   updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -12,6 +12,8 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, micro_config, micro_flags
+from test_chat import FAMILIES as CHAT_FAMILIES, numbered_conversations, save_tokenizer, \
+    write_conversations
 from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
@@ -154,3 +156,32 @@ def test_a_prepared_corpus_pads_the_vocabulary_to_a_multiple_of_tensor(corpus):
   assert padded_vocab(cfg).model.vocab_size == 260 and cfg.model.vocab_size == 257
   synthetic = micro_config(**{"model.vocab_size": 65, "mesh.data": 2, "mesh.tensor": 4})
   assert padded_vocab(synthetic) is synthetic  # the task's vocabulary is the task
+
+
+def test_a_chat_corpus_evaluates_the_mean_over_the_assistant_tokens_of_all_batches(tmp_path):
+  """Prepared conversations: the evaluation on `data=2 x fsdp=4`, accumulating
+  2 microbatches, is the plain mean over every counted target (an assistant
+  token, not padding) of its batches, computed here on one device."""
+  tokenizer = save_tokenizer(tmp_path / "tokenizer", CHAT_FAMILIES["qwen2.5"])
+  inputs = write_conversations(tmp_path / "chat.jsonl", numbered_conversations(60))
+  prepare([str(inputs)], str(tokenizer), str(tmp_path / "out"), input_format="chat",
+          val_fraction=0.3)
+  cfg = micro_config(**{"data.source": "tokens", "data.path": str(tmp_path / "out"),
+                        "data.packing": "segments", "model.vocab_size": 400, "eval.batches": 2,
+                        "mesh.data": 2, "mesh.fsdp": 4, "grad_accum_steps": 2})
+  setup = build(cfg)
+  params = setup.init_state().params
+  got = Evaluator(cfg, setup)(params)["eval_loss"]
+  graphdef = setup.spec.graphdef  # local attention: it runs as well on one device
+  one = jax.device_put(jax.device_get(params), jax.devices()[0])
+  batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
+                          vocab_size=400, seed=cfg.seed, split="val")
+  total = count = 0.0
+  for batch in (next(batches) for _ in range(2)):
+    logits = nnx.merge(graphdef, one)(batch["inputs"], segment_ids=batch["segment_ids"],
+                                     positions=batch["positions"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    counted = (batch["segment_ids"] != 0) & (batch["loss_mask"] != 0)
+    total, count = total + float((losses * counted).sum()), count + float(counted.sum())
+  assert 0 < count < 2 * batch["targets"].size  # some tokens count, not all
+  np.testing.assert_allclose(got, total / count, rtol=2e-6)

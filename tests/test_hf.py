@@ -1,6 +1,7 @@
-"""Hugging Face Llama checkpoints: meshtrain's Llama computes transformers' logits
-from imported weights, on one device and sharded; export loads back into
-transformers; import then export gives the same tensors bit for bit."""
+"""Hugging Face Llama checkpoints (the other families: test_hf_families.py):
+meshtrain's Llama computes transformers' logits from imported weights, on one
+device and sharded; export loads back into transformers; import then export
+gives the same tensors bit for bit."""
 
 import importlib.util
 import json
@@ -26,7 +27,7 @@ from meshtrain.hf.exporter import export_hf
 from meshtrain.train.resume import import_hf
 from meshtrain import workdir as saved_run
 from meshtrain.hf.load import load_params
-from meshtrain.hf.weights import WEIGHTS
+from meshtrain.hf.weights import hf_weights
 from meshtrain.models.patterns import path_string
 from meshtrain.train.loop import train
 from meshtrain.train.resume import start_state
@@ -85,8 +86,11 @@ def imported_config(directory, **mesh):
 
 
 def meshtrain_logits(cfg, params, tokens, setup):
+  """The logits of `params` on `setup`'s mesh (an MoE model with its fresh router biases)."""
+  state = setup.spec.init_model_state()
+  weights = (params,) if state is None else (params, state)
   with jax.set_mesh(setup.mesh), nnx.logical_axis_rules(setup.rules.params):
-    return np.asarray(jax.jit(lambda p, t: nnx.merge(setup.spec.graphdef, p)(t))(params, tokens))
+    return np.asarray(jax.jit(lambda w, t: nnx.merge(setup.spec.graphdef, *w)(t))(weights, tokens))
 
 
 def tokens(batch=2, length=32, seed=1):
@@ -140,13 +144,12 @@ def test_fine_tuning_an_imported_workdir_starts_at_the_models_loss(tmp_path):
   assert records[0]["loss"] == pytest.approx(hf_loss(model, first_batch), rel=1e-5)
 
 
-def hf_tensors_of(params, num_layers):
+def hf_tensors_of(params):
   """meshtrain's parameters as Hugging Face tensors (by the name mapping)."""
-  tensors = {}
+  tensors, weights = {}, hf_weights("llama")
   for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]:
-    weight = WEIGHTS[path_string(path)]
-    layers = list(leaf) if weight.stacked else [leaf]
-    tensors.update(zip(weight.hf_names(num_layers), map(weight.to_hf, layers)))
+    weight = weights[path_string(path)]
+    tensors.update((name, weight.to_hf(leaf[lead])) for lead, name in weight.names(leaf.shape))
   return tensors
 
 
@@ -160,7 +163,7 @@ def test_init_from_starts_a_run_from_the_hf_weights_bit_for_bit(tmp_path):
   checkpoints.close()
   assert origin == f"initialized from hf:{source}" and int(state.step) == 0
   expected = safetensors.numpy.load_file(source / "model.safetensors")
-  got = hf_tensors_of(state.params, cfg.model.num_layers)
+  got = hf_tensors_of(state.params)
   assert sorted(got) == sorted(expected)
   for name, tensor in expected.items():
     np.testing.assert_array_equal(got[name], tensor, err_msg=name)

@@ -16,21 +16,26 @@ from meshtrain.models.llama import Llama
 from meshtrain.train.setup import build
 from meshtrain.train.parallelize import model_config
 
-PADDING = 2  # per row, so that every replica's mean over its rows is the global mean
-
-
-def packed_batches(count: int, batch: int, length: int, vocab: int, seed: int = 0):
-  """Random tokens in documents of random lengths (ids 1, 2, ...), the last
-  PADDING tokens of each row padding (id 0)."""
+def packed_batches(count: int, batch: int, length: int, vocab: int, seed: int = 0,
+                   loss_mask: bool = False):
+  """Random tokens in documents of random lengths (ids 1, 2, ...), then 0 to
+  length/2 tokens of padding (id 0): rows, microbatches and replicas count
+  different numbers of tokens, and the loss is the mean over all counted ones.
+  With `loss_mask`, a random half of the tokens do not count either (a
+  conversation's non-assistant turns)."""
   rng = np.random.default_rng(seed)
 
   def one():
     tokens = rng.integers(0, vocab, (batch, length + 1), dtype=np.int32)
     segment_ids = np.zeros((batch, length), np.int32)
     for row in segment_ids:
-      cuts = np.sort(rng.choice(np.arange(1, length - PADDING), 2, replace=False))
-      row[:length - PADDING] = np.searchsorted(cuts, np.arange(length - PADDING), side="right") + 1
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segment_ids}
+      used = length - rng.integers(0, length // 2 + 1)
+      cuts = np.sort(rng.choice(np.arange(1, used), 2, replace=False))
+      row[:used] = np.searchsorted(cuts, np.arange(used), side="right") + 1
+    packed = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segment_ids}
+    if loss_mask:
+      packed["loss_mask"] = rng.integers(0, 2, (batch, length), dtype=np.int32)
+    return packed
   return [one() for _ in range(count)]
 
 
@@ -84,4 +89,29 @@ def test_packed_training_matches_one_device(case):
   cfg.update(CASES[case])
   batches = packed_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
 
+  assert_matches_one_device(cfg, batches)
+
+
+MASKED = {
+    "data=8 accumulate 2": dict(mesh=dict(data=8), grad_accum_steps=2),
+    "fsdp=4 tensor=2": dict(mesh=dict(data=1, fsdp=4, tensor=2)),
+    "data=4 sequence=2 ring": dict(mesh=dict(data=4, sequence=2),
+                                   attention=dict(sequence_strategy="ring")),
+    "data=2 pipeline=2 fsdp=2 accumulate 2": dict(mesh=dict(data=2, pipeline=2, fsdp=2),
+                                                  grad_accum_steps=2,
+                                                  pipeline=dict(microbatches=2)),
+}
+
+
+@pytest.mark.parametrize("case", tiered(MASKED, ("data=2 pipeline=2 fsdp=2 accumulate 2",)))
+def test_a_loss_mask_makes_the_loss_the_mean_over_the_counted_tokens_of_the_whole_batch(case):
+  """Conversations: a token counts where its `loss_mask` is 1 and it is not
+  padding. Rows, microbatches, replicas and devices count different numbers
+  of tokens; on every mesh, with accumulation and the pipeline, the loss is
+  the mean over the counted tokens of the global batch, as the plain
+  reference computes it directly on one device."""
+  cfg = micro_config(**{"data.packing": "segments"})
+  cfg.update(MASKED[case])
+  batches = packed_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size,
+                           loss_mask=True)
   assert_matches_one_device(cfg, batches)

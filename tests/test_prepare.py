@@ -105,6 +105,23 @@ def test_a_half_written_directory_is_refused(tmp_path, real_text):
     PreparedCorpus(str(tmp_path / "out"))
 
 
+def test_a_text_corpus_has_no_mask_and_a_format_1_directory_still_loads(tmp_path):
+  p.prepare([str(write_inputs(tmp_path / "in") / "a.jsonl")], "bytes", str(tmp_path / "out"))
+  meta_file = tmp_path / "out/meta.json"
+  meta = json.loads(meta_file.read_text())
+  assert (meta["format"], meta["input_format"], meta["loss_mask"]) == (2, "text", False)
+  assert not (tmp_path / "out/loss_mask.bin").exists()
+  version_1 = {key: value for key, value in meta.items()
+               if key not in ("input_format", "loss_mask")}
+  meta_file.write_text(json.dumps({**version_1, "format": 1}))
+  windows = PreparedCorpus(str(tmp_path / "out")).windows("train", seq_len=8, vocab_size=256,
+                                                          key="config.data.path")
+  assert windows.num_windows and windows.loss_mask(np.arange(2)) is None
+  meta_file.write_text(json.dumps({**meta, "format": 3}))
+  with pytest.raises(ConfigError, match="format 3"):
+    PreparedCorpus(str(tmp_path / "out"))
+
+
 def bad_tokenizer(tmp_path):
   file = tmp_path / "tokenizer.json"
   file.write_text("{not json")

@@ -20,6 +20,12 @@ their EOS. "concat" lets attention run across document boundaries (GPT);
 `inputs`) so the model attends only inside a document and restarts positions
 at each one (MaxText, Levanter). The synthetic task counts each window as one
 document, a text file as one.
+
+Loss mask: a corpus prepared from conversations (`meshtrain prepare --format
+chat`) adds `loss_mask` to each batch, in both splits: int32 [rows, seq_len],
+aligned with `targets`, 1 where the target token counts in the loss (the
+assistant's turns), 0 where it does not. Other sources add no such key: every
+target counts.
 """
 
 import functools
@@ -65,6 +71,9 @@ class _Windows(Protocol):
   def segments(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Segment ids and positions of the inputs, int32[len(ids), seq_len]."""
 
+  def loss_mask(self, ids: np.ndarray) -> np.ndarray | None:
+    """Whether each target counts, int32[len(ids), seq_len]; None when all do."""
+
 
 def make_iterator(
     data_cfg: Any,
@@ -80,7 +89,8 @@ def make_iterator(
 
   Each element is `{"inputs": int32[len(rows), seq_len],
   "targets": same}`, the targets being the inputs shifted by one token, and
-  with `data_cfg.packing="segments"` also `segment_ids` and `positions`.
+  with `data_cfg.packing="segments"` also `segment_ids` and `positions`, and
+  for a corpus with a loss mask also `loss_mask` (module docstring).
   `data_cfg` needs `source` (one of `SOURCES`) and, for "text" and "tokens",
   `path`; `split` picks a prepared corpus's split (module `tokens`).
   """
@@ -101,6 +111,9 @@ def make_iterator(
   def local_batch_at(step: int) -> dict[str, np.ndarray]:
     ids = shuffle(step * global_batch + rows_in_batch)
     batch = _inputs_and_targets(windows(ids))
+    loss_mask = windows.loss_mask(ids)
+    if loss_mask is not None:
+      batch["loss_mask"] = loss_mask
     if packing == "segments":
       batch["segment_ids"], batch["positions"] = windows.segments(ids)
     return batch

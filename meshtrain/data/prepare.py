@@ -1,15 +1,21 @@
 """`meshtrain prepare`: a corpus tokenized once into a flat token file with a document index.
 
-Output directory (format version 1):
+Output directory (format version 2; version 1, the same without loss_mask.bin
+and its entry in meta.json, still loads):
 
   tokens.bin      every document's ids back to back, each `[bos] + tokens + [eos]`
-                  (`data/tokenizer.py`), little-endian uint16 when the vocabulary
-                  fits, else uint32
+                  (`data/tokenizer.py`), or for `--format chat` each conversation
+                  as its chat template renders it (`data/chat.py`),
+                  little-endian uint16 when the vocabulary fits, else uint32
   documents.bin   little-endian int64: where each document starts in tokens.bin,
                   then the total token count (documents + 1 entries)
+  loss_mask.bin   (`--format chat` only) one uint8 per token of tokens.bin: 1
+                  where the token counts in the loss (an assistant turn's), else 0
   meta.json       tokenizer (a copy sits beside it as tokenizer.json unless it
                   is `bytes`), vocabulary size, EOS/BOS ids, dtype, counts, the
-                  train/validation split as token ranges, and the inputs
+                  train/validation split as token ranges, the inputs, their
+                  format (`input_format`) and whether loss_mask.bin is there
+                  (`loss_mask`)
   tokenizer.json  the Hugging Face tokenizer (absent for `bytes`)
 
 Why a flat memmap and not ArrayRecord or Parquet: training reads windows of
@@ -29,7 +35,8 @@ tokenizers that prefix a space to each text see one extra space per cut, in
 documents longer than a piece. Pieces are encoded in batches by the
 tokenizer's own `encode_batch` (Rust threads on every core) while this thread
 reads and writes the next batch, so memory stays at a few batches whatever
-the corpus size. The output depends only on the inputs (sorted), the
+the corpus size. Conversations are rendered in Python (jinja2) and encoded
+in the same batches. The output depends only on the inputs (sorted), the
 tokenizer and the flags.
 
 Atomic: everything is written into a hidden `.NAME.partial-*` directory beside
@@ -40,6 +47,8 @@ refused.
 """
 
 import concurrent.futures
+import contextlib
+import functools
 import glob
 import io
 import itertools
@@ -47,20 +56,25 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from meshtrain.data import chat
 from meshtrain.data import tokenizer as tk
 from meshtrain.errors import ConfigError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: no loss mask
+INPUT_FORMATS = ("text", "chat")
 TOKENS_FILE = "tokens.bin"
 DOCUMENTS_FILE = "documents.bin"
+LOSS_MASK_FILE = "loss_mask.bin"
 PIECE_CHARS = 1 << 20    # a long document is encoded in pieces of about this many characters
 BATCH_CHARS = 4 << 20    # characters per encode_batch call (its encodings take tens of times that)
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -68,6 +82,16 @@ PARQUET_SUFFIXES = (".parquet",)
 
 # A piece of a document: its text, whether it starts and whether it ends the document.
 Piece = tuple[str, bool, bool]
+Item = TypeVar("Item")  # what a batch holds: pieces or conversations
+
+
+class Encoded(NamedTuple):
+  """A batch of documents or pieces of them, encoded."""
+
+  ids: list[np.ndarray]
+  starts: Sequence[bool]          # whether each opens a document
+  masks: list[np.ndarray] | None  # each one's loss mask (None: every token counts)
+  size: int                       # the input bytes they came from, for the progress bar
 
 
 def input_files(patterns: Sequence[str]) -> list[Path]:
@@ -149,22 +173,44 @@ def _line_pieces(lines: Iterable[str], *, split_blank_lines: bool) -> Iterator[P
     yield from flush(True)
 
 
-def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
+def _jsonl_records(file: Path) -> Iterator[tuple[int, Any, int]]:
+  """Each non-blank line's number, JSON value and size in bytes."""
   with _open_text(file) as lines:
-    for number, line in enumerate(lines, 1):
-      if not line.strip():
-        continue
-      try:
-        text = json.loads(line)[field]
-      except (ValueError, TypeError) as error:
-        raise ConfigError("--input", f"{file} line {number} is not a JSON object ({error})") from None
-      except KeyError:
-        raise ConfigError("--text_field", f"{file} line {number} has no field {field!r}; set "
-                          "--text_field to the field that holds the text") from None
-      if not isinstance(text, str):
-        raise ConfigError("--text_field", f"{file} line {number}: field {field!r} holds "
-                          f"{type(text).__name__}, not text")
-      yield text
+    try:
+      for number, line in enumerate(lines, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except ValueError as error:
+          raise ConfigError("--input", f"{file} line {number} is not JSON ({error}); give one "
+                            "JSON object a line") from None
+        yield number, record, len(line.encode("utf-8"))
+    except UnicodeDecodeError as error:
+      raise ConfigError("--input", f"{file} is not UTF-8 text ({error.reason} at byte "
+                        f"{error.start})") from None
+
+
+def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
+  for number, record, _ in _jsonl_records(file):
+    if not isinstance(record, dict):
+      raise ConfigError("--input", f"{file} line {number} is not a JSON object")
+    if field not in record:
+      raise ConfigError("--text_field", f"{file} line {number} has no field {field!r}; set "
+                        "--text_field to the field that holds the text")
+    text = record[field]
+    if not isinstance(text, str):
+      raise ConfigError("--text_field", f"{file} line {number}: field {field!r} holds "
+                        f"{type(text).__name__}, not text")
+    yield text
+
+
+def conversations(files: Sequence[Path]) -> Iterator[chat.Conversation]:
+  """Every conversation of every JSONL file (`data/chat.py`), checked."""
+  for file in files:
+    for number, record, size in _jsonl_records(file):
+      where = f"{file} line {number}"
+      yield chat.Conversation(chat.parse_messages(record, where), where, size)
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
@@ -179,11 +225,12 @@ def _parquet_texts(file: Path, field: str) -> Iterator[str]:
     yield from (text for text in batch.column(0).to_pylist() if text)
 
 
-def _batches(stream: Iterable[Piece]) -> Iterator[list[Piece]]:
+def _batches(stream: Iterable[Item], size_of: Callable[[Item], int]) -> Iterator[list[Item]]:
+  """Consecutive items, about BATCH_CHARS of input a batch."""
   batch, size = [], 0
-  for piece in stream:
-    batch.append(piece)
-    size += len(piece[0])
+  for item in stream:
+    batch.append(item)
+    size += size_of(item)
     if size >= BATCH_CHARS:
       yield batch
       batch, size = [], 0
@@ -195,36 +242,39 @@ def token_dtype(vocab_size: int) -> np.dtype:
   return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, text_field: str = "text",
-            split_blank_lines: bool = False, val_fraction: float = 0.05) -> dict:
-  """Tokenizes `inputs` into the directory `out` (module docstring); returns its meta."""
+def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_format: str = "text",
+            text_field: str = "text", split_blank_lines: bool = False,
+            val_fraction: float = 0.05) -> dict:
+  """Tokenizes `inputs` into the directory `out` (module docstring); returns its meta.
+  `input_format` "text" reads documents (text files, `text_field` of JSONL and
+  Parquet), "chat" conversations from JSONL (`data/chat.py`)."""
   out_dir = Path(out)
   if out_dir.exists():
     raise ConfigError("--out", f"{out} already exists; remove it or choose another directory")
+  if input_format not in INPUT_FORMATS:
+    raise ConfigError("--format", f"{input_format!r} is not one of {', '.join(INPUT_FORMATS)}")
   if not 0 <= val_fraction < 1:
     raise ConfigError("--val_fraction", f"is {val_fraction}; use a share in [0, 1)")
   files = input_files(inputs)
-  check_inputs(files, text_field)
-
-  def stream() -> Iterator[Piece]:
-    return pieces(files, text_field=text_field, split_blank_lines=split_blank_lines)
-
   total_bytes = sum(f.stat().st_size for f in files)
-  tokenizer = _tokenizer(tokenizer_spec, stream, total_bytes)
+  corpus = (_chat_corpus(files, tokenizer_spec) if input_format == "chat" else
+            _text_corpus(files, tokenizer_spec, total_bytes, text_field=text_field,
+                         split_blank_lines=split_blank_lines))
+  tokenizer = corpus.tokenizer
   created = _first_missing(out_dir.absolute().parent)
   out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
   partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.absolute().parent))
   partial.chmod(0o755)  # mkdtemp makes it private
   try:
-    counts = _write_tokens(stream(), tokenizer, partial, total_bytes)
+    counts = _write_tokens(corpus, partial, total_bytes)
     if not counts["documents"]:
       raise ConfigError("--input", f"{' '.join(inputs)} holds no text")
     split = _split(partial / DOCUMENTS_FILE, counts["tokens"], val_fraction)
     meta = {"format": FORMAT_VERSION, "tokenizer": tokenizer.spec, "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
             "dtype": token_dtype(tokenizer.vocab_size).name, **counts, "split": split,
-            "inputs": [str(f) for f in files], "text_field": text_field,
-            "split_blank_lines": split_blank_lines, "tokenizer_source": tokenizer_spec}
+            "inputs": [str(f) for f in files], "input_format": input_format,
+            "loss_mask": corpus.loss_mask, **corpus.meta, "tokenizer_source": tokenizer_spec}
     tokenizer.save(partial)
     (partial / tk.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     partial.rename(out_dir)
@@ -232,6 +282,52 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, text_field:
     shutil.rmtree(created or partial, ignore_errors=True)
     raise
   return meta
+
+
+class _Corpus(NamedTuple):
+  """What `prepare` writes: batches of the input (read once) and how to encode one."""
+
+  tokenizer: tk.Tokenizer
+  batches: Iterable[list]
+  encode: Callable[[list], Encoded]
+  loss_mask: bool  # whether `encode` gives masks
+  meta: dict       # the input format's own entries of meta.json
+
+
+def _text_corpus(files: Sequence[Path], tokenizer_spec: str, total_bytes: int, *,
+                 text_field: str, split_blank_lines: bool) -> _Corpus:
+  check_inputs(files, text_field)
+
+  def stream() -> Iterator[Piece]:
+    return pieces(files, text_field=text_field, split_blank_lines=split_blank_lines)
+
+  tokenizer = _tokenizer(tokenizer_spec, stream, total_bytes)
+  return _Corpus(tokenizer, _batches(stream(), lambda piece: len(piece[0])),
+                 functools.partial(_encode_pieces, tokenizer), loss_mask=False,
+                 meta={"text_field": text_field, "split_blank_lines": split_blank_lines})
+
+
+def _chat_corpus(files: Sequence[Path], tokenizer_spec: str) -> _Corpus:
+  for file in files:
+    if file.suffix not in JSONL_SUFFIXES:
+      raise ConfigError("--input", f"{file} is not a JSONL file; --format chat reads "
+                        f"conversations, one a line as {chat.LINE_FORMAT}, from .jsonl files")
+  tokenizer, template = chat.load(tokenizer_spec, key="--tokenizer")
+  return _Corpus(tokenizer, _batches(conversations(files), lambda conversation: conversation.size),
+                 functools.partial(_encode_conversations, tokenizer, template), loss_mask=True,
+                 meta={})
+
+
+def _encode_pieces(tokenizer: tk.Tokenizer, batch: list[Piece]) -> Encoded:
+  texts, starts, ends = zip(*batch)
+  return Encoded(tk.document_ids(tokenizer, texts, starts=starts, ends=ends), starts, None,
+                 sum(len(text.encode("utf-8")) for text in texts))
+
+
+def _encode_conversations(tokenizer: tk.HuggingFaceTokenizer, template: chat.ChatTemplate,
+                          batch: list[chat.Conversation]) -> Encoded:
+  ids, masks = chat.encode(tokenizer, template, batch)
+  return Encoded(ids, [True] * len(ids), masks, sum(conversation.size for conversation in batch))
 
 
 def _first_missing(directory: Path) -> Path | None:
@@ -250,7 +346,7 @@ def _tokenizer(spec: str, stream, total_bytes: int) -> tk.Tokenizer:
   size = spec.removeprefix("train:")
   if not size.isdigit():
     raise ConfigError("--tokenizer", f"{spec!r}: give the vocabulary size as train:N, e.g. train:1024")
-  with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="train BPE") as bar:
+  with _progress(total_bytes, "train BPE") as bar:
     def texts() -> Iterator[str]:
       for text, _, _ in stream():
         bar.update(len(text.encode("utf-8")))
@@ -258,38 +354,50 @@ def _tokenizer(spec: str, stream, total_bytes: int) -> tk.Tokenizer:
     return tk.train_bpe(texts(), int(size), key="--tokenizer")
 
 
-def _write_tokens(stream: Iterable[Piece], tokenizer: tk.Tokenizer, directory: Path,
-                  total_bytes: int) -> dict:
+def _write_tokens(corpus: _Corpus, directory: Path, total_bytes: int) -> dict:
   """Encodes batch k+1 (Rust threads, GIL released) while writing batch k."""
-  dtype = token_dtype(tokenizer.vocab_size)
+  dtype = token_dtype(corpus.tokenizer.vocab_size)
   tokens = documents = 0
   start = time.perf_counter()
+  mask_file = (open(directory / LOSS_MASK_FILE, "wb") if corpus.loss_mask
+               else contextlib.nullcontext())
   with (open(directory / TOKENS_FILE, "wb") as tokens_out,
         open(directory / DOCUMENTS_FILE, "wb") as documents_out,
+        mask_file as mask_out,
         concurrent.futures.ThreadPoolExecutor(1) as encoder,
-        tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare") as bar):
-
-    def encode(batch: list[Piece]):
-      texts, starts, ends = zip(*batch)
-      return tk.document_ids(tokenizer, texts, starts=starts, ends=ends), starts, \
-          sum(len(t.encode("utf-8")) for t in texts)
-
+        _progress(total_bytes, "prepare") as bar):
     pending = None
-    for batch in itertools.chain(_batches(stream), [None]):
-      done, pending = pending, encoder.submit(encode, batch) if batch else None
+    for batch in itertools.chain(corpus.batches, [None]):
+      done, pending = pending, encoder.submit(corpus.encode, batch) if batch else None
       if done is None:
         continue
-      ids, starts, size = done.result()
-      lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+      encoded = done.result()
+      lengths = np.fromiter(map(len, encoded.ids), np.int64, len(encoded.ids))
       offsets = tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-      documents_out.write(offsets[np.asarray(starts)].astype("<i8").tobytes())
-      tokens_out.write(np.concatenate(ids).astype(dtype).tobytes())
+      documents_out.write(offsets[np.asarray(encoded.starts)].astype("<i8").tobytes())
+      tokens_out.write(np.concatenate(encoded.ids).astype(dtype).tobytes())
+      if corpus.loss_mask:
+        mask_out.write(np.concatenate(encoded.masks).astype(np.uint8).tobytes())
       tokens += int(lengths.sum())
-      documents += int(np.sum(starts))
-      bar.update(size)
+      documents += int(np.sum(encoded.starts))
+      bar.update(encoded.size)
       bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
     documents_out.write(np.array([tokens], "<i8").tobytes())
   return {"documents": documents, "tokens": tokens}
+
+
+@contextlib.contextmanager
+def _progress(total_bytes: int, desc: str) -> Iterator[tqdm]:
+  """A progress bar over the input bytes, on a terminal only (none in logs),
+  wiped when the work fails, so that the error is the one line left."""
+  bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=None)
+  try:
+    yield bar
+  except BaseException:
+    bar.leave = False
+    raise
+  finally:
+    bar.close()
 
 
 def _split(documents_file: Path, num_tokens: int, val_fraction: float) -> dict:

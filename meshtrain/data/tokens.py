@@ -1,9 +1,10 @@
 """A corpus prepared by `meshtrain prepare` (format: `meshtrain.data.prepare`).
 
 Opening one checks it whole before any batch is read: meta.json present and
-complete, token and index files of the sizes it states, so a directory that a
-prepare did not finish (or a copy that was cut short) is refused with the
-reason. Tokens are memory-mapped: a process reads only the windows it serves.
+complete, token, index and (where meta.json says there is one) loss mask files
+of the sizes it states, so a directory that a prepare did not finish (or a
+copy that was cut short) is refused with the reason. Tokens and the mask are
+memory-mapped: a process reads only the windows it serves.
 """
 
 import json
@@ -41,8 +42,11 @@ class PreparedCorpus:
       self.num_tokens, self.num_documents = int(meta["tokens"]), int(meta["documents"])
       self.split_ranges = {name: tuple(map(int, meta["split"][name])) for name in SPLITS}
       self.vocab_size, self.eos_id = int(meta["vocab_size"]), int(meta["eos_id"])
-      if meta["format"] != p.FORMAT_VERSION or meta["dtype"] != self.dtype.name:
-        raise ValueError(f"format {meta['format']}, dtype {meta['dtype']}")
+      has_loss_mask = meta.get("loss_mask", False)  # format 1 has none
+      if (meta["format"] not in p.READABLE_FORMATS or meta["dtype"] != self.dtype.name
+          or not isinstance(has_loss_mask, bool)):
+        raise ValueError(f"format {meta['format']}, dtype {meta['dtype']}, "
+                         f"loss_mask {has_loss_mask}")
     except (OSError, ValueError, KeyError, TypeError) as error:
       raise ConfigError(key, f"{meta_file} is unreadable or incomplete ({error}); prepare the "
                         "corpus again") from None
@@ -50,6 +54,8 @@ class PreparedCorpus:
     self._tokens = self._memmap(key, p.TOKENS_FILE, self.dtype, self.num_tokens)
     self._document_starts = self._memmap(key, p.DOCUMENTS_FILE, np.dtype("<i8"),
                                          self.num_documents + 1)[:-1]
+    self._loss_mask = (self._memmap(key, p.LOSS_MASK_FILE, np.dtype("u1"), self.num_tokens)
+                       if has_loss_mask else None)
 
   def _memmap(self, key: str, name: str, dtype: np.dtype, count: int) -> np.ndarray:
     file = self.directory / name
@@ -75,4 +81,6 @@ class PreparedCorpus:
     inside = starts[np.searchsorted(starts, start):np.searchsorted(starts, end)] - start
     if not len(inside) or inside[0]:
       inside = np.concatenate([[0], inside])  # the split opens inside a document
-    return TokenWindows(self._tokens[start:end], seq_len=seq_len, document_starts=inside)
+    loss_mask = None if self._loss_mask is None else self._loss_mask[start:end]
+    return TokenWindows(self._tokens[start:end], seq_len=seq_len, document_starts=inside,
+                        loss_mask=loss_mask)

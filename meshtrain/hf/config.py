@@ -1,8 +1,24 @@
-"""A Hugging Face Llama `config.json` <-> meshtrain's `config.model`.
+"""A Hugging Face `config.json` <-> meshtrain's `config.model`, for the
+families meshtrain's one decoder covers (`FAMILIES`):
 
-Reads both spellings of RoPE settings: `rope_theta` + `rope_scaling` (Llama
-3.1/3.2 releases, transformers 4) and `rope_parameters` (transformers 5).
-Writes the first, which both versions load.
+  llama      the base: RMSNorm, RoPE (default or Llama 3's scaling), GQA, SwiGLU
+  mistral    + a sliding attention window (`sliding_window`, where it is set)
+  qwen2      + biases on the q, k and v projections
+  qwen3      + RMSNorm of each query and key head before RoPE
+  mixtral    Mistral's attention, every MLP routed: softmax top-k, renormalised
+  qwen3_moe  Qwen3's attention, routed MLPs (`norm_topk_prob` renormalises;
+             `mlp_only_layers` leading dense layers)
+
+Anything else a config asks for (another `model_type`, a `rope_type` other
+than default or llama3, biases elsewhere, Qwen's per-layer sliding window,
+router noise) is refused in one line naming the key, before anything is
+written. Reads both spellings of RoPE settings: `rope_theta` + `rope_scaling`
+(transformers 4) and `rope_parameters` (transformers 5); writes the first,
+which both versions load.
+
+The switch loss's coefficient is a training choice, not the model's shape:
+import leaves `model.moe.aux_loss_coef` as configured (transformers'
+`router_aux_loss_coef` is k times meshtrain's, docs/moe.md).
 """
 
 import json
@@ -12,6 +28,10 @@ from meshtrain.config import get_config
 from meshtrain.errors import ConfigError
 
 CONFIG_FILE = "config.json"
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ROUTED = ("mixtral", "qwen3_moe")
 # No RoPE scaling: the llama3 keys at their defaults.
 LLAMA3_DEFAULTS = {key: get_config().model[key] for key in (
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -20,11 +40,13 @@ LLAMA3_DEFAULTS = {key: get_config().model[key] for key in (
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
             "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "dtype",
-            "torch_dtype")
+            "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+            "mlp_only_layers", "decoder_sparse_step")
 
 
 def read(directory, *, key: str) -> dict:
-  """DIR/config.json of a Llama that meshtrain can run; `key` names the flag for errors."""
+  """DIR/config.json of a model that meshtrain can run; `key` names the flag for errors."""
   file = Path(directory) / CONFIG_FILE
   if not file.is_file():
     raise ConfigError(key, f"{directory} has no {CONFIG_FILE}; give a Hugging Face model directory "
@@ -33,19 +55,30 @@ def read(directory, *, key: str) -> dict:
     hf = json.loads(file.read_text())
   except ValueError as error:
     raise ConfigError(key, f"{file} is not JSON ({error})") from None
-  if hf.get("model_type") != "llama":
-    raise ConfigError(key, f"{file} has model_type {hf.get('model_type')!r}; meshtrain imports "
-                      "Llama-architecture models (model_type 'llama') only")
-  unsupported = [f"{name}={hf[name]!r}" for name, ok in
-                 (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu"))
-                 if hf.get(name, ok) != ok]
+  family = hf.get("model_type")
+  if family not in FAMILIES:
+    raise ConfigError(key, f"{file} has model_type {family!r}; meshtrain imports "
+                      f"{', '.join(FAMILIES)}")
+  unsupported = _unsupported(hf)
+  if unsupported:
+    raise ConfigError(key, f"{file} sets {', '.join(unsupported)}, which meshtrain's {family} "
+                      "does not implement")
+  return hf
+
+
+def _unsupported(hf: dict) -> list[str]:
+  """What of `hf` the decoder does not implement, as `key=value` strings."""
+  family = hf["model_type"]
+  expected = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+              "router_jitter_noise": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1}
+  bad = [f"{name}={hf[name]!r}" for name, ok in expected.items() if hf.get(name, ok) != ok]
   rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
   if rope_type not in ("default", "llama3"):
-    unsupported.append(f"rope_type={rope_type!r}")
-  if unsupported:
-    raise ConfigError(key, f"{file} sets {', '.join(unsupported)}, which meshtrain's Llama does "
-                      "not implement")
-  return hf
+    bad.append(f"rope_type={rope_type!r}")
+  dense = hf.get("mlp_only_layers") or []
+  if family == "qwen3_moe" and list(dense) != list(range(len(dense))):
+    bad.append(f"mlp_only_layers={dense!r} (only leading dense layers)")
+  return bad
 
 
 def _rope(hf: dict) -> dict:
@@ -53,35 +86,88 @@ def _rope(hf: dict) -> dict:
 
 
 def model_keys(hf: dict) -> dict:
-  """The `config.model` values of a Hugging Face Llama config."""
-  heads, rope = hf["num_attention_heads"], _rope(hf)
+  """The `config.model` values of a Hugging Face config (`model.moe` nested)."""
+  family, heads, rope = hf["model_type"], hf["num_attention_heads"], _rope(hf)
   keys = dict(
       vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
       rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **LLAMA3_DEFAULTS)
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+      sliding_window=int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0,
+      **LLAMA3_DEFAULTS, moe={"num_experts": 0})
   if rope.get("rope_type", rope.get("type")) == "llama3":
     keys.update(rope_scaling_factor=float(rope["factor"]),
                 rope_low_freq_factor=float(rope["low_freq_factor"]),
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+  if family == "mixtral":
+    keys["moe"] = dict(num_experts=hf["num_local_experts"],
+                       experts_per_token=hf["num_experts_per_tok"],
+                       mlp_dim=hf["intermediate_size"], router="softmax", normalize_top_k=True)
+  elif family == "qwen3_moe":
+    keys["moe"] = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                       experts_per_token=hf["num_experts_per_tok"],
+                       mlp_dim=hf["moe_intermediate_size"], router="softmax",
+                       normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+                       first_dense_layers=len(hf.get("mlp_only_layers") or []))
   return keys
+
+
+def family(model) -> str:
+  """The Hugging Face `model_type` that writes `config.model`, or a
+  ConfigError naming what no family has."""
+  moe = model.moe
+  if moe.num_experts:
+    name = "qwen3_moe" if model.qk_norm else "mixtral"
+    odd = [f"model.moe.{k}={moe[k]!r}" for k, plain in (
+        ("shared_mlp_dim", 0), ("router", "softmax"), ("route_scale", 1.0),
+        ("capacity_factor", 0.0)) if moe[k] != plain]
+    if name == "mixtral" and (moe.first_dense_layers or not moe.normalize_top_k):
+      odd.append("leading dense layers or unnormalised weights (Qwen3-MoE's, with qk_norm)")
+    if model.qkv_bias:
+      odd.append("model.qkv_bias=True")
+  else:
+    name = ("qwen2" if model.qkv_bias else "qwen3" if model.qk_norm
+            else "mistral" if model.sliding_window else "llama")
+    both = model.qkv_bias and model.qk_norm
+    odd = ["model.qkv_bias=True with model.qk_norm=True"] if both else []
+  if model.sliding_window and name not in ("mistral", "mixtral"):
+    odd.append(f"model.sliding_window={model.sliding_window} (only Mistral's family has one)")
+  if odd:
+    raise ConfigError("config.model", f"{', '.join(odd)}: no Hugging Face family meshtrain "
+                      f"writes has this model ({', '.join(FAMILIES)})")
+  return name
 
 
 def to_hf(model, dtype: str, source: dict | None = None) -> dict:
   """The config.json of meshtrain's `config.model` with weights in `dtype`,
-  keeping the other keys of `source` (the imported model's config, if any)."""
-  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False,
-        **{k: v for k, v in (source or {}).items() if k not in _WRITTEN}}
+  keeping the other keys of `source` (the imported model's config, if any,
+  whose family it keeps)."""
+  name = (source or {}).get("model_type") or family(model)
+  hf = {"hidden_act": "silu", **({"attention_bias": False, "mlp_bias": False}
+                                 if name == "llama" else {}),
+        **{k: v for k, v in (source or {}).items() if k not in _WRITTEN},
+        "architectures": [FAMILIES[name]], "model_type": name}
   hf.update(vocab_size=model.vocab_size, hidden_size=model.embed_dim,
             num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
             num_key_value_heads=model.num_kv_heads, head_dim=model.head_dim,
             intermediate_size=model.mlp_dim, rms_norm_eps=model.norm_eps,
             tie_word_embeddings=model.tie_embeddings, rope_theta=model.rope_theta,
             torch_dtype=dtype)
+  if name in ("mistral", "mixtral"):
+    hf["sliding_window"] = model.sliding_window or None
+  moe = model.moe
+  if name == "mixtral":
+    hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
+              intermediate_size=moe.mlp_dim or model.mlp_dim)
+  elif name == "qwen3_moe":
+    hf.update(num_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
+              moe_intermediate_size=moe.mlp_dim or model.mlp_dim,
+              norm_topk_prob=moe.normalize_top_k, decoder_sparse_step=1,
+              mlp_only_layers=list(range(moe.first_dense_layers)))
   if model.rope_scaling_factor != 1:
     hf["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
                           "low_freq_factor": model.rope_low_freq_factor,

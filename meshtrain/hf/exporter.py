@@ -1,6 +1,9 @@
-"""`meshtrain export-hf`: a run's weights as a Hugging Face Llama directory.
+"""`meshtrain export-hf`: a run's weights as a Hugging Face model directory.
 
-Writes `config.json`, the weights as safetensors (one `model.safetensors`, or
+The family is the imported model's (`model_type` of its config), else the one
+whose options the model uses (`meshtrain.hf.config.family`); experts are
+written one tensor per expert, the layout `save_pretrained` writes and every
+transformers version loads. Writes `config.json`, the weights as safetensors (one `model.safetensors`, or
 shards of at most `max_shard_bytes` with `model.safetensors.index.json`, as
 `save_pretrained` does) and the run's tokenizer files, so that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it. Weights are
@@ -25,28 +28,28 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.importer import HF_CONFIG_FILE, TOKENIZER_FILES
 from meshtrain.hf.load import INDEX_FILE, SINGLE_FILE
-from meshtrain.hf.weights import WEIGHTS
+from meshtrain.hf.weights import hf_weights
 from meshtrain.models.patterns import path_string
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def _hf_tensors(params, num_layers: int, dtype) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(params, weights: dict, dtype) -> Iterator[tuple[str, np.ndarray]]:
   """(name, tensor) in Hugging Face layout, one gathered meshtrain weight at a time."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    weight = WEIGHTS[path_string(path)]
+    weight = weights[path_string(path)]
     value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    for name, layer in zip(weight.hf_names(num_layers), value if weight.stacked else [value]):
-      yield name, weight.to_hf(layer).astype(dtype)
+    for lead, name in weight.names(value.shape):
+      yield name, weight.to_hf(value[lead]).astype(dtype)
 
 
-def _shard_sizes(params, num_layers: int, itemsize: int, max_shard_bytes: int) -> list[int]:
+def _shard_sizes(params, weights: dict, itemsize: int, max_shard_bytes: int) -> list[int]:
   """How many tensors each shard holds, filling shards in order up to the limit."""
   sizes = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    weight = WEIGHTS[path_string(path)]
-    layer_size = leaf.size // (leaf.shape[0] if weight.stacked else 1)
-    sizes += [layer_size * itemsize] * len(weight.hf_names(num_layers))
+    weight = weights[path_string(path)]
+    count = len(list(weight.names(leaf.shape)))
+    sizes += [leaf.size // count * itemsize] * count
   counts, used = [0], 0
   for size in sizes:
     if counts[-1] and used + size > max_shard_bytes:
@@ -96,14 +99,16 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
   if dtype not in DTYPES:
     raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
   tokenizers.for_config(cfg)  # an unreadable tokenizer fails here, before anything is written
-  num_layers = cfg.model.num_layers
-  counts = _shard_sizes(params, num_layers, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
+  family = (source or {}).get("model_type") or hf_config.family(cfg.model)  # or refused here
+  weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
+                       else 0)
+  counts = _shard_sizes(params, weights, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
   names = ([SINGLE_FILE] if len(counts) == 1 else
            [f"model-{i + 1:05d}-of-{len(counts):05d}.safetensors" for i in range(len(counts))])
   writer = jax.process_index() == 0
   if writer:
     directory.mkdir(parents=True, exist_ok=True)
-  tensors, weight_map, total = _hf_tensors(params, num_layers, DTYPES[dtype]), {}, 0
+  tensors, weight_map, total = _hf_tensors(params, weights, DTYPES[dtype]), {}, 0
   for name, count in zip(tqdm(names, desc="export", unit="file", disable=not writer), counts):
     shard = dict(next(tensors) for _ in range(count))
     weight_map.update(dict.fromkeys(shard, name))

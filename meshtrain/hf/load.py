@@ -1,4 +1,4 @@
-"""Hugging Face Llama weights straight into their shards on a mesh.
+"""Hugging Face weights (each family of `meshtrain.hf.config`) straight into their shards.
 
 Each device's block of each weight is read from the safetensors files on its
 own (`safe_open` + `get_slice`: only the rows and columns it covers), converted
@@ -8,6 +8,7 @@ its own devices hold. A file is opened per read: its memory map (resident
 pages count as the process's memory) is let go at once.
 """
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
-from meshtrain.hf.weights import WEIGHTS, Weight
+from meshtrain.hf.weights import FUSED_GATE_UP, hf_weights
 from meshtrain.models.patterns import path_string
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,33 +81,42 @@ class SafetensorsDir:
     return out
 
 
-def _check_shapes(tensors: SafetensorsDir, abstract_params, num_layers: int) -> None:
+def _mapping(tensors: SafetensorsDir, hf: dict, abstract_params) -> dict:
+  """The family's tensor names, in the expert layout the directory holds."""
+  dense = (jax.tree.leaves(abstract_params["dense_layers"])[0].shape[0]
+           if "dense_layers" in abstract_params else 0)
+  fused = f"model.layers.{dense}.{FUSED_GATE_UP}" in tensors.files
+  return hf_weights(hf["model_type"], dense, fused_experts=fused)
+
+
+def _check_shapes(tensors: SafetensorsDir, weights: dict, abstract_params) -> None:
   """Every tensor meshtrain needs is there with the shape config.json implies."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-    weight = WEIGHTS[path_string(path)]
-    expected = weight.hf_shape(leaf.shape[1:] if weight.stacked else leaf.shape)
-    for name in weight.hf_names(num_layers):
+    weight = weights[path_string(path)]
+    expected = weight.hf_shape(leaf.shape[weight.stacked_dims:])
+    for _, name in weight.names(leaf.shape):
       if tensors.shape(name) != expected:
         raise ConfigError(tensors.key, f"tensor {name} is {list(tensors.shape(name))} in "
                           f"{tensors.directory} but its config.json implies {list(expected)}")
 
 
-def _block(tensors: SafetensorsDir, weight: Weight, shape, index, dtype) -> np.ndarray:
-  """meshtrain's weight[index] (a device's block) read from the HF tensors."""
-  if not weight.stacked:
-    return weight.read(lambda i: tensors.read(weight.hf_name, i), shape, index).astype(dtype)
-  first, stop, _ = index[0].indices(shape[0])
+def _block(tensors: SafetensorsDir, weight, shape, index, dtype) -> np.ndarray:
+  """meshtrain's weight[index] (a device's block) read from the HF tensors:
+  one read per HF tensor (layer, expert) the block covers."""
+  stacked = weight.stacked_dims
+  ranges = [range(*i.indices(n)) for i, n in zip(index[:stacked], shape[:stacked])]
+  names = dict(weight.names(shape))
   block = None
-  for layer in range(first, stop):
-    name = weight.hf_name.format(layer=layer)
-    one = weight.read(lambda i: tensors.read(name, i), shape[1:], index[1:])
+  for lead in itertools.product(*ranges):
+    name = names[lead]
+    one = weight.read(lambda i: tensors.read(name, i), shape[stacked:], index[stacked:])
     if block is None:
-      block = np.empty((stop - first, *one.shape), dtype)
-    block[layer - first] = one
+      block = np.empty((*map(len, ranges), *one.shape), dtype)
+    block[tuple(i - r.start for i, r in zip(lead, ranges))] = one
   return block
 
 
-def _place(tensors: SafetensorsDir, weight: Weight, abstract, sharding) -> jax.Array:
+def _place(tensors: SafetensorsDir, weight, abstract, sharding) -> jax.Array:
   """One weight on the mesh, block by block; devices holding the same block share one read."""
   by_index: dict[tuple, list] = {}
   for device, index in sharding.addressable_devices_indices_map(abstract.shape).items():
@@ -120,14 +130,15 @@ def _place(tensors: SafetensorsDir, weight: Weight, abstract, sharding) -> jax.A
 
 
 def load_params(directory, abstract_params, shardings, *, key: str):
-  """The weights of the Hugging Face Llama in `directory` as meshtrain's
+  """The weights of the Hugging Face model in `directory` as meshtrain's
   parameters (`abstract_params` tree), laid out by `shardings`."""
+  hf = hf_config.read(directory, key=key)
   tensors = SafetensorsDir(directory, key=key)
-  num_layers = jax.tree.leaves(abstract_params["layers"])[0].shape[0]
-  _check_shapes(tensors, abstract_params, num_layers)
+  weights = _mapping(tensors, hf, abstract_params)
+  _check_shapes(tensors, weights, abstract_params)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
   flat_shardings = jax.tree.leaves(shardings)
-  placed = [_place(tensors, WEIGHTS[path_string(path)], leaf, sharding)
+  placed = [_place(tensors, weights[path_string(path)], leaf, sharding)
             for (path, leaf), sharding in tqdm(list(zip(leaves, flat_shardings)), desc="import",
                                                unit="tensor", disable=jax.process_index() != 0)]
   return jax.tree_util.tree_unflatten(treedef, placed)
@@ -136,8 +147,12 @@ def load_params(directory, abstract_params, shardings, *, key: str):
 def check_model(directory, model_cfg, *, key: str) -> dict:
   """DIR's config.json, checked against `config.model` (which must describe the same model)."""
   hf = hf_config.read(directory, key=key)
-  for name, value in hf_config.model_keys(hf).items():
-    if model_cfg[name] != value:
-      raise ConfigError(f"config.model.{name}", f"is {model_cfg[name]!r} but the model in "
+  keys = hf_config.model_keys(hf)
+  flat = {**{k: v for k, v in keys.items() if k != "moe"},
+          **{f"moe.{k}": v for k, v in keys["moe"].items()}}
+  for name, value in flat.items():
+    mine = model_cfg.moe[name[4:]] if name.startswith("moe.") else model_cfg[name]
+    if mine != value:
+      raise ConfigError(f"config.model.{name}", f"is {mine!r} but the model in "
                         f"{directory} has {value!r}; set it to {value!r}")
   return hf

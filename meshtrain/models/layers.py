@@ -19,11 +19,16 @@ QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...],
-          fan_in: int) -> nnx.Param:
+          fan_in: float) -> nnx.Param:
   """A normal(0, 1/sqrt(fan_in)) weight annotated with logical names; it is
   sharded by whoever creates it (`meshtrain.train.state`), not eagerly."""
   value = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
   return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+def zeros(shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+  """A zero-initialised weight (a bias) annotated with logical names."""
+  return nnx.Param(jnp.zeros(shape, jnp.float32), sharding_names=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):

@@ -1,9 +1,12 @@
 """A Llama-style decoder in flax NNX: RMSNorm, rotary positions, grouped-query
 attention and a SwiGLU MLP, dense or Mixture-of-Experts (`moe.py`: Mixtral,
-Qwen3-MoE, DeepSeek-V3 without its latent attention), with the layers stacked
-on a leading `layers` axis and run by `lax.scan` (one compiled layer, whatever
-the depth). With `moe.first_dense_layers` the first layers keep the dense MLP
-and form a stack of their own (`dense_layers`), run before the others.
+Qwen3-MoE, DeepSeek-V3 without its latent attention). The families'
+variations are options of the one model: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3), a sliding attention window (Mistral), tied embeddings. The
+layers are stacked on a leading `layers` axis and run by `lax.scan` (one
+compiled layer, whatever the depth). With `moe.first_dense_layers` the first
+layers keep the dense MLP and form a stack of their own (`dense_layers`), run
+before the others.
 
 Every weight carries logical axis names (`meshtrain.rules`); the main
 activations are pinned with `rules.constrain`. Weights are stored in whatever
@@ -31,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtrain import rules as r
 from meshtrain.models import rope
 from meshtrain.models.layers import (ATTN_OUT, MLP, MLP_IN, MLP_OUT, QKV, RMSNorm, param,
-                                     weight_matmul)
+                                     weight_matmul, zeros)
 from meshtrain.models.moe import MoE, MoEConfig
 from meshtrain.models.rope import rotary
 from meshtrain.parallel import attention, experts
@@ -51,6 +54,9 @@ class LlamaConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  qkv_bias: bool = False     # biases on the q, k, v projections (Qwen2)
+  qk_norm: bool = False      # RMSNorm of each q and k head before RoPE (Qwen3)
+  sliding_window: int = 0    # attend to the last N tokens (Mistral); 0: the whole prefix
   compute_dtype: str = "float32"
   remat: Remat = "none"
   rope_scaling_factor: float = 1.0  # Llama 3's RoPE scaling (models/rope.py); 1: none
@@ -79,9 +85,10 @@ def _batch_sum(x_BxLx: jax.Array) -> jax.Array:
 class Slots:
   """What a strategy may plug into the model.
 
-  attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=None) -> out_BxLxNxH:
+  attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=None, window=0) -> out_BxLxNxH:
     causal grouped-query attention over the sequence (inside each packed
-    document), whatever splits its length; the default sees it whole.
+    document; over the last `window` tokens when > 0), whatever splits its
+    length; the default sees it whole.
   experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down) -> y_BxLxD:
     the routed experts on the tokens that chose them (`parallel/experts.py`);
     the default runs every expert here.
@@ -109,8 +116,28 @@ class Attention(nnx.Module):
     self.wk_DxKxH = param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
     self.wv_DxKxH = param(rngs, (d, k, h), (r.EMBED, r.KV_HEADS, r.HEAD_DIM), d)
     self.wo_NxHxD = param(rngs, (n, h, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * h)
+    if cfg.qkv_bias:
+      self.bq_NxH = zeros((n, h), (r.HEADS, r.HEAD_DIM))
+      self.bk_KxH = zeros((k, h), (r.KV_HEADS, r.HEAD_DIM))
+      self.bv_KxH = zeros((k, h), (r.KV_HEADS, r.HEAD_DIM))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps)
+      self.k_norm = RMSNorm(h, cfg.norm_eps)
 
   def project_qkv(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k and v before RoPE: the projections, plus their biases (`qkv_bias`),
+    q and k normalised per head (`qk_norm`)."""
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD)
+    if self.cfg.qkv_bias:
+      q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (
+          y + b[...].astype(y.dtype) for y, b in ((q_BxLxNxH, self.bq_NxH),
+                                                  (k_BxLxKxH, self.bk_KxH),
+                                                  (v_BxLxKxH, self.bv_KxH)))
+    if self.cfg.qk_norm:
+      q_BxLxNxH, k_BxLxKxH = self.q_norm(q_BxLxNxH), self.k_norm(k_BxLxKxH)
+    return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
+
+  def _project(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v in one matmul when the kv heads are split like the query heads:
     under tensor parallelism the backward then all-reduces one input gradient,
     not three (Megatron's fused QKV; XLA's CPU compile does not merge the three).
@@ -147,7 +174,8 @@ class Attention(nnx.Module):
       # jax's float16 attention asks for an F16_F16_F32 dot, which CPU does not lower.
       q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (x.astype(jnp.float32) for x in
                                           (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
-    out_BxLxNxH = self.attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=segment_ids_BxL)
+    out_BxLxNxH = self.attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=segment_ids_BxL,
+                              window=cfg.sliding_window)
     out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype),
                               (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
     return checkpoint_name(weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...]),

@@ -44,6 +44,7 @@ from meshtrain.models.layers import MLP, MLP_OUT, param
 from meshtrain.parallel import experts as experts_kernels
 
 ROUTERS = ("softmax", "sigmoid")
+ROUTER_STD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,8 @@ class MoE(nnx.Module):
                token_sum: Callable[[jax.Array], jax.Array] = _plain_sum, aux_weight: float = 1.0):
     d, e, f = embed_dim, cfg.num_experts, cfg.mlp_dim or hidden_dim
     self.cfg, self.experts, self.token_sum, self.aux_weight = cfg, experts, token_sum, aux_weight
-    self.router_DxE = param(rngs, (d, e), (r.EMBED, None), d)
+    # std 0.02, as Megatron and transformers draw routers: near-uniform scores at first.
+    self.router_DxE = param(rngs, (d, e), (r.EMBED, None), fan_in=ROUTER_STD**-2)
     self.w_gate_ExDxF = param(rngs, (e, d, f), (r.EXPERTS, r.EMBED, r.EXPERT_MLP), d)
     self.w_up_ExDxF = param(rngs, (e, d, f), (r.EXPERTS, r.EMBED, r.EXPERT_MLP), d)
     self.w_down_ExFxD = param(rngs, (e, f, d), (r.EXPERTS, r.EXPERT_MLP, r.EMBED), f)

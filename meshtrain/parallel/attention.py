@@ -37,11 +37,15 @@ def implementation_for(requested: str, compute_dtype: str, head_dim: int, device
 
 
 def causal_mask(q_index_T: jax.Array, k_index_S: jax.Array, q_segment_BxT: jax.Array | None = None,
-                k_segment_BxS: jax.Array | None = None) -> jax.Array:
+                k_segment_BxS: jax.Array | None = None, window: int = 0) -> jax.Array:
   """[B or 1, T, S]: query t sees key s when s comes no later (by index in the
-  whole sequence) and, with segment ids, belongs to the same document. Padding
-  (segment 0) sees only padding, so no row is empty."""
+  whole sequence), with a `window` > 0 less than `window` tokens earlier
+  (Mistral's sliding window: itself and the window - 1 before it), and, with
+  segment ids, belongs to the same document. Padding (segment 0) sees only
+  padding, so no row is empty."""
   mask_1xTxS = (k_index_S[None, :] <= q_index_T[:, None])[None]
+  if window:
+    mask_1xTxS &= (k_index_S[None, :] > q_index_T[:, None] - window)[None]
   if q_segment_BxT is None:
     return mask_1xTxS
   return mask_1xTxS & (q_segment_BxT[:, :, None] == k_segment_BxS[:, None, :])
@@ -102,18 +106,20 @@ masked_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
-                     implementation: str = "xla",
-                     segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+                     implementation: str = "xla", segment_ids_BxL: jax.Array | None = None,
+                     window: int = 0) -> jax.Array:
   """Causal attention over a whole sequence, inside documents when
-  `segment_ids_BxL` is given; `implementation` xla (`masked_attention`) or
-  cudnn (flash, `jax.nn.dot_product_attention`)."""
+  `segment_ids_BxL` is given, over the last `window` tokens when it is > 0
+  (`causal_mask`); `implementation` xla (`masked_attention`) or cudnn (flash,
+  `jax.nn.dot_product_attention`)."""
   if implementation == "cudnn":
     if segment_ids_BxL is not None:
       raise ConfigError("config.attention.implementation",
                         "cudnn cannot keep packed documents apart here (jax 0.10 passes it no "
                         "segment ids); use 'xla' or config.data.packing='concat'")
     return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
                                         implementation="cudnn")
   index_L = jnp.arange(q_BxLxNxH.shape[1])
-  mask = causal_mask(index_L, index_L, segment_ids_BxL, segment_ids_BxL)
+  mask = causal_mask(index_L, index_L, segment_ids_BxL, segment_ids_BxL, window)
   return masked_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask)

@@ -187,9 +187,13 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
     return device(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
   tokens_spec = P(batch or None, length_axes or None)
   experts = axes or None
+  # A batch too small to split over an expert axis (generation): every device
+  # of that axis routes the same tokens and gets the same outputs back, which
+  # the type system cannot see. Training batches always split.
+  replicated = any(a not in (*batch, *length_axes) for a in axes)
   return jax.shard_map(
       device, mesh=mesh, axis_names=manual,
       in_specs=(tokens_spec, tokens_spec, tokens_spec, P(experts, None, tensor),
                 P(experts, None, tensor), P(experts, tensor, None)),
-      out_specs=tokens_spec)(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
-                             w_down_ExFxD)
+      out_specs=tokens_spec, check_vma=not replicated)(
+          x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -69,11 +69,12 @@ def _split(mesh: Mesh, axis: str, batch_size: int) -> tuple[set[str], tuple[str,
 
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
                        strategy: str, mesh: Mesh | None = None, axis: str = "sequence",
-                       zigzag: bool = False,
-                       segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+                       zigzag: bool = False, segment_ids_BxL: jax.Array | None = None,
+                       window: int = 0) -> jax.Array:
   """Causal grouped-query attention over a length sharded on `axis`; equal to
-  `attention.causal_attention(q, k, v, segment_ids_BxL=...)` on the whole
-  sequence. With `zigzag` (ring only) q, k, v, the segment ids and the output
+  `attention.causal_attention(q, k, v, segment_ids_BxL=..., window=...)` on
+  the whole sequence (a sliding `window` under all_gather_kv and ulysses, not
+  the ring). With `zigzag` (ring only) q, k, v, the segment ids and the output
   are in `to_zigzag` order. `mesh` defaults to the one in context
   (`jax.set_mesh`)."""
   if strategy not in STRATEGIES:
@@ -81,6 +82,8 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
                      f"choose one of {', '.join(STRATEGIES)}")
   if zigzag and strategy != "ring":
     raise ValueError(f"only the ring strategy takes the zigzag layout, not {strategy!r}")
+  if window and strategy == "ring":
+    raise ValueError("the ring has no sliding window; use all_gather_kv or ulysses")
   _, length, num_heads, _ = q_BxLxNxH.shape
   num_kv_heads = k_BxLxKxH.shape[2]
   if num_heads % num_kv_heads:
@@ -89,9 +92,10 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   n = 1 if mesh.empty else mesh.shape.get(axis, 1)
   if n == 1:  # zigzag order on one device is the natural one
     return attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
-                                      segment_ids_BxL=segment_ids_BxL)
+                                      segment_ids_BxL=segment_ids_BxL, window=window)
   check_split(strategy, num_heads, length * n if _is_manual(mesh, axis) else length, n, axis)
-  strategy_fn = {"all_gather_kv": _all_gather_kv, "ulysses": _ulysses,
+  strategy_fn = {"all_gather_kv": functools.partial(_all_gather_kv, window=window),
+                 "ulysses": functools.partial(_ulysses, window=window),
                  "ring": functools.partial(_ring, zigzag=zigzag)}[strategy]
   return strategy_fn(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, mesh=mesh, axis=axis)
 
@@ -123,13 +127,15 @@ def _segments(segment_ids_BxL: jax.Array | None, *specs: P) -> tuple[tuple, tupl
   return (segment_ids_BxL,) * len(specs), specs
 
 
-def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str):
+def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str,
+                   window: int):
   """K and V enter the shard_map whole (the partitioner all-gathers them along
   the length); local queries attend to them, masked at this shard's offset."""
   def attend(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, *segments):
     t = q_BxTxNxH.shape[1]
     q_index_T = lax.axis_index(axis) * t + jnp.arange(t)
-    mask = attention.causal_mask(q_index_T, jnp.arange(k_BxLxKxH.shape[1]), *segments)
+    mask = attention.causal_mask(q_index_T, jnp.arange(k_BxLxKxH.shape[1]), *segments,
+                                 window=window)
     return attention.masked_attention(q_BxTxNxH, k_BxLxKxH, v_BxLxKxH, mask)
 
   if _is_manual(mesh, axis):
@@ -144,7 +150,8 @@ def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Me
                            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *segments)
 
 
-def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str):
+def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str,
+             window: int):
   """Heads enter the shard_map sharded over `axis`: the partitioner swaps length
   for head sharding (an all-to-all) on the way in, and back on the way out.
 
@@ -168,7 +175,7 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, ax
     index_L = jnp.arange(q_BxLxAx1xGxH.shape[1])
     out_BxLxNxH = attention.masked_attention(
         q_BxLxAx1xGxH.reshape(*q_BxLxAx1xGxH.shape[:2], -1, h), k_BxLxAx1xH[:, :, :, 0],
-        v_BxLxAx1xH[:, :, :, 0], attention.causal_mask(index_L, index_L, *segments))
+        v_BxLxAx1xH[:, :, :, 0], attention.causal_mask(index_L, index_L, *segments, window=window))
     return out_BxLxNxH.reshape(q_BxLxAx1xGxH.shape)
 
   if _is_manual(mesh, axis):  # local length in, local heads of the whole length inside

@@ -4,7 +4,8 @@ The batches are the first `config.eval.batches` global batches of the
 validation split, drawn once, so every evaluation of a run (and `meshtrain
 eval` of its checkpoints) sees the same tokens. Each process keeps only its
 rows, as in training. The loss is the training loss (`Setup.loss_fn`, so
-packing and masking agree), run forward only on the weights as the step sees
+packing and masking agree: the mean over the counted tokens of all the
+batches, `meshtrain.train.loss`), run forward only on the weights as the step sees
 them (cast to `param_dtype`, laid out by the `params` rules), over the
 `grad_accum_steps` microbatches of a batch in turn so the activations stay
 those of one training microbatch; on a pipeline mesh, through the pipeline's
@@ -24,6 +25,7 @@ from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import ConfigError
 from meshtrain.train import pipelined
+from meshtrain.train.loss import counted_tokens, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.setup import Setup, build
 from meshtrain.workdir import load_model_state, load_params
@@ -51,10 +53,14 @@ class Evaluator:
     dtype = jnp.dtype(cfg.param_dtype)
 
     def mean_loss(params, batch, model_state):
+      """The batch's mean loss over its counted tokens, and how many count."""
       self.traces += 1
       working = jax.lax.with_sharding_constraint(
           jax.tree.map(lambda x: x.astype(dtype), params), param_shardings)
-      return loss_fn(working, batch, model_state)
+      counted_BxL = counted_tokens(batch)
+      count = (jnp.float32(batch["targets"].size) if counted_BxL is None
+               else counted_BxL.sum(dtype=jnp.float32))
+      return loss_fn(working, with_loss_weights(batch), model_state), count
 
     self._jitted = jax.jit(mean_loss, in_shardings=(setup.shardings.params,
                                                     setup.train_step.batch_sharding,
@@ -66,8 +72,12 @@ class Evaluator:
 
   def __call__(self, params, model_state=None) -> dict[str, float]:
     with jax.set_mesh(self._setup.mesh), nnx.logical_axis_rules(self._setup.rules.params):
-      losses = [self._jitted(params, batch, model_state) for batch in self._batches]
-    loss = float(np.mean(jax.device_get(losses)))
+      losses, counts = zip(*(self._jitted(params, batch, model_state)
+                             for batch in self._batches))
+    counts = np.asarray(jax.device_get(counts))
+    # The mean over every counted token of the batches (none counted: undefined).
+    loss = (float(np.average(jax.device_get(losses), weights=counts)) if counts.sum()
+            else float("nan"))
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
 

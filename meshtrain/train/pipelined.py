@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.models.llama import REMAT_POLICIES, default_positions, run_layers
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
-from meshtrain.train.loss import counted_tokens, token_losses
+from meshtrain.train.loss import cross_entropy, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec, merged
 
@@ -69,23 +69,10 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
 
   def loss_fn(p, x_BxLxD, aux):
     table_VxD = nnx.merge(embed_def, p["tied"]).table() if tied else None
-    loss_BxL = token_losses(nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD), aux["targets"])
-    weights_BxL = aux.get("loss_weights")
-    return jnp.mean(loss_BxL if weights_BxL is None else loss_BxL * weights_BxL)
+    logits_BxLxV = nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD)
+    return cross_entropy(logits_BxLxV, aux["targets"], aux.get("loss_weights"))
 
   return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
-
-
-def _loss_weights(microbatches: dict) -> dict:
-  """Packed documents: each token's weight in its microbatch's mean loss
-  (padding 0), scaled to average 1 over the microbatch, so that the mean over
-  any equal share of it, on whichever device, adds up to the microbatch's mean."""
-  counted_MxBxL = counted_tokens(microbatches.get("segment_ids"))
-  if counted_MxBxL is None:
-    return microbatches
-  counted_MxBxL = counted_MxBxL.astype(jnp.float32)
-  total_M = jnp.maximum(counted_MxBxL.sum(axis=(1, 2), keepdims=True), 1)
-  return {**microbatches, "loss_weights": counted_MxBxL * (counted_MxBxL[0].size / total_M)}
 
 
 def _with_positions(batch: dict) -> dict:
@@ -112,7 +99,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
   def run(params, batch, model_state=None):
     if length_axis:
       batch = _with_positions(batch)
-    microbatches = _loss_weights(split_microbatches(batch, pipeline_cfg.microbatches))
+    microbatches = split_microbatches(with_loss_weights(batch), pipeline_cfg.microbatches)
     pieces_params = {
         "embed": {"embed": params["embed"], "dense": params.get("dense_layers", {})},
         "layers": {"params": params["layers"],

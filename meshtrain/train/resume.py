@@ -14,6 +14,7 @@ from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
 from meshtrain.hf.load import check_model, load_params
+from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.setup import Setup, build
 from meshtrain.train.state import TrainState
 
@@ -109,7 +110,8 @@ def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
 
   def create(params):
     return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params),
-                      jnp.zeros((), jnp.int32))
+                      jnp.zeros((), jnp.int32), loss_scale=initial_loss_scale(setup.cfg),
+                      model_state=setup.spec.init_model_state())
   with jax.set_mesh(setup.mesh):
     return jax.jit(create, out_shardings=setup.shardings, donate_argnums=0)(params)
 

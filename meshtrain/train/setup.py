@@ -106,6 +106,10 @@ def validate(cfg, mesh: Mesh) -> None:
         "config.seq_len", f"{cfg.seq_len} is not divisible by config.mesh.sequence" +
         (" x config.mesh.tensor (tensor_sequence_parallel)" if cfg.tensor_sequence_parallel else "") +
         f" = {length_shards}")
+  if m.sliding_window and mesh.shape["sequence"] > 1 and cfg.attention.sequence_strategy == "ring":
+    raise ConfigError("config.attention.sequence_strategy", "the ring has no sliding window "
+                      f"(config.model.sliding_window={m.sliding_window}); use all_gather_kv or "
+                      "ulysses")
   if m.moe.num_experts:
     validate_moe(cfg, mesh)
 

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
 from meshtrain.train import precision
+from meshtrain.train.loss import with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import TrainState, in_memory, is_offloaded
 
@@ -210,7 +211,8 @@ def train_step(program: Program, state: TrainState, batch: Batch
     state = dataclasses.replace(state, **jax.device_put(
         {"params": state.params, "opt_state": state.opt_state},
         {"params": program.compute.params, "opt_state": program.compute.opt_state}))
-  loss, stats, grads = gradients(program, state, batch)
+  # Weighed once, whole: each microbatch's and replica's share of the mean loss.
+  loss, stats, grads = gradients(program, state, with_loss_weights(batch))
   if options.streamed:  # the update runs on the device
     state = dataclasses.replace(state, params=jax.device_put(state.params,
                                                              program.on_device.params))
