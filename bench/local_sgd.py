@@ -48,7 +48,7 @@ RUNS = {
     "DiLoCo H=4": {"local_sgd.inner_steps": 4, **DILOCO},
     "DiLoCo H=16": {"local_sgd.inner_steps": 16, **DILOCO},
     "averaging H=1": {"local_sgd.inner_steps": 1, "local_sgd.outer_optimizer": "sgd",
-                      "local_sgd.outer_learning_rate": 1.0, "local_sgd.outer_momentum": 0.0},
+                      "local_sgd.outer_learning_rate": 1.0},
 }
 WINDOW = 20  # steps averaged for the final loss
 

@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
   c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
   c.grad_dtype = "float32"      # gradients and their accumulator: float32 or bfloat16 (2 bytes/param, as ZeRO counts)
-  c.remat = "none"              # activation recomputation per layer: none | full | selective
+  c.remat = "none"              # activation recomputation per layer: none | full | selective | offload
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
   c.zero_stage = 0              # over `data`: 0 DDP, 1 shard optimizer state, 2 + gradients, 3 + weights
   c.expert_parallel = "fsdp"    # MoE: mesh axes that split the experts, e.g. "data,fsdp" (docs/moe.md)
@@ -99,9 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.local_sgd = ml_collections.ConfigDict()  # DiLoCo over `data`: replicas sync every inner_steps
   c.local_sgd.inner_steps = 0             # steps between syncs of the `data` replicas (0: off, plain DP)
-  c.local_sgd.outer_optimizer = "nesterov"  # applies the mean parameter delta: sgd | nesterov
+  c.local_sgd.outer_optimizer = "nesterov"  # applies the mean parameter delta: sgd | momentum | nesterov
   c.local_sgd.outer_learning_rate = 0.7   # DiLoCo's 0.7; sgd at 1.0 with no momentum averages the replicas
-  c.local_sgd.outer_momentum = 0.9        # DiLoCo's 0.9 (0: none)
+  c.local_sgd.outer_momentum = 0.9        # DiLoCo's 0.9, of momentum and nesterov (0: none)
 
   c.loss_scale = ml_collections.ConfigDict()  # dynamic loss scaling, on when either dtype is float16
   c.loss_scale.initial = 32768.0  # starting scale (2**15)

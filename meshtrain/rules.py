@@ -235,6 +235,29 @@ def check_layout(abstract_params, names_tree, mesh: Mesh, rules: ShardingRules) 
               f"that divides {size}, or map {name!r} elsewhere with Trainer(rules=...)")
 
 
+def layout_changes(names_tree, mesh: Mesh, rules: Rules) -> list[str]:
+  """What `logical_to_spec` does to the annotations of a tree of logical names
+  that they did not ask for, one line per distinct annotation (with the first
+  leaf that has it): a dimension's mesh axes put into mesh order, a mesh axis
+  left out of a dimension because an earlier dimension already splits over it."""
+  table, notes = dict(rules), {}
+  for path, names in _flat_names(names_tree):
+    taken: set[str] = set()
+    for i, name in enumerate(names):
+      asked = [a for a in _axes_of(name, table) if mesh.shape.get(a, 1) > 1]
+      kept = [a for a in asked if a not in taken]
+      for axis in asked:
+        if axis in taken:
+          notes.setdefault((names, i, axis), f"{_where(path)} {names}: dimension {i} ({name}) "
+                           f"is not split over '{axis}', which an earlier dimension uses")
+      if kept != sorted(kept, key=_mesh_order):
+        notes.setdefault((names, i), f"{_where(path)} {names}: dimension {i} ({name}) splits "
+                         f"over {tuple(sorted(kept, key=_mesh_order))} in mesh order, not "
+                         f"{tuple(kept)}")
+      taken.update(kept)
+  return list(notes.values())
+
+
 def unknown_names(names_tree, rules: Rules) -> dict[str, list[str]]:
   """Names used by the weights that no table, meshtrain or the mesh knows
   (a model's own vocabulary): name -> the weights that use it, all replicated."""

@@ -211,7 +211,7 @@ def check_devices(cfg, num_devices: int, platform: str | None = None) -> None:
   across = [a.strip() for a in cfg.mesh.across_hosts.split(",") if a.strip()]
   host_split(sizes, across, max(cfg.distributed.num_processes, 1))
   mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-  setup.validate(cfg, mesh)
+  setup.validate(setup.padded_vocab(cfg, sizes["tensor"]), mesh)  # the run pads as it starts
   if sizes["sequence"] > 1:
     try:
       sequence.check_split(cfg.attention.sequence_strategy, cfg.model.num_heads, cfg.seq_len,

@@ -99,6 +99,8 @@ CASES = [
     # a key that another key's value makes do nothing
     ("train", ["--config.data.path={text}"], "config.data.path"),
     ("train", ["--config.data.path=no/such/file.txt"], "config.data.path"),
+    ("train", ["--config.data.source=text", "--config.data.path={tmp}/binary.bin",
+               "--config.model.vocab_size=256"], "config.data.path"),  # bytes 0-255, then ff fe
     ("train", ["--config.attention.sequence_strategy=ring"], "config.attention.sequence_strategy"),
     ("train", ["--config.tensor_sequence_parallel=true"], "config.tensor_sequence_parallel"),
     ("train", ["--config.pipeline.microbatches=8"], "config.pipeline.microbatches"),
@@ -214,6 +216,7 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
                                                           request, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "a_file").write_text("not a folder")
+  (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 8 + b"\xff\xfe")
   (tmp_path / "hf_model").mkdir()
   (tmp_path / "hf_model" / "config.json").write_text('{"model_type": "llama"}')
   for name, body in CONFIG_FILES.items():

@@ -49,10 +49,18 @@ def test_bad_input_is_one_readable_line_and_a_nonzero_exit(args, key, tmp_path):
 
 
 @pytest.mark.slow
-def test_text_data_trains_from_a_text_file(tmp_path, real_text):
+def test_text_data_trains_from_a_text_file_with_the_vocabulary_rounded_up_for_tensor(
+    tmp_path, real_text):
+  """Byte-level text under `tensor=2`: a vocabulary of 257 (not divisible by
+  2) is rounded up to 258, printed and saved in the run's config."""
   result = meshtrain("--config.data.source=text", f"--config.data.path={real_text}",
-                     "--config.model.vocab_size=256", "--config.steps=3", tmp_path=tmp_path)
+                     "--config.model.vocab_size=257", "--config.simulate_devices=8",
+                     "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.steps=2",
+                     tmp_path=tmp_path)
   assert result.returncode == 0, result.stderr
+  assert "model.vocab_size 257 -> 258, a multiple of mesh.tensor = 2" in result.stdout
+  saved = json.loads((tmp_path / "run/config.json").read_text())
+  assert saved["model"]["vocab_size"] == 258
 
 
 def test_schedule_prints_json_and_draws(tmp_path):

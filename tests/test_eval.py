@@ -18,7 +18,6 @@ from meshtrain.data import make_iterator
 from meshtrain.data.prepare import prepare
 from meshtrain.errors import ConfigError
 from meshtrain.train.evaluate import Evaluator, evaluate_checkpoint, evaluator_for
-from meshtrain.train import pipelined
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 from meshtrain.workdir import load_config
@@ -70,10 +69,6 @@ def initial(corpus):
 def test_eval_loss_on_a_mesh_equals_plain_jit_on_one_device(corpus, initial, mesh):
   cfg = eval_config(corpus, **mesh)
   setup = build(cfg)
-  if setup.mesh.shape["pipeline"] > 1 and not hasattr(pipelined, "pipelined_loss"):
-    with pytest.raises(ConfigError, match="config.eval.every_steps: .* forward-only schedule"):
-      Evaluator(cfg, setup)  # until the pipeline's forward-only schedule is merged
-    return
   params, expected = initial
   params = jax.device_put(params, setup.shardings.params)
   evaluator = Evaluator(cfg, setup)

@@ -3,17 +3,21 @@ H=1 with inner SGD and outer SGD at learning rate 1 is data-parallel SGD; with
 AdamW inside and Nesterov outside it equals DiLoCo written out here, one
 unsharded replica at a time; the inner step holds no `data` collective."""
 
+import json
+
 import chex
 import jax
 import numpy as np
 import optax
 import pytest
 
-from conftest import micro_config
+from conftest import REPO, micro_config, micro_flags
 from reference import random_batches, reference_run
+from meshtrain import cli
 from meshtrain.analysis import hlo
 from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.errors import ConfigError
+from meshtrain.train import local_sgd
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 
@@ -36,8 +40,7 @@ def run(setup, batches):
 def test_one_inner_sgd_step_and_outer_sgd_at_rate_one_is_data_parallel_sgd():
   cfg = local_config(1, **{"mesh.data": 8, "optimizer.name": "sgd", "optimizer.learning_rate": 0.5,
                            "optimizer.weight_decay": 0.0, "optimizer.clip_norm": 0.0,
-                           "local_sgd.outer_optimizer": "sgd", "local_sgd.outer_learning_rate": 1.0,
-                           "local_sgd.outer_momentum": 0.0})
+                           "local_sgd.outer_optimizer": "sgd", "local_sgd.outer_learning_rate": 1.0})
   setup = build(cfg)
   batches = random_batches(4, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
   initial, losses, state = run(setup, batches)
@@ -47,6 +50,57 @@ def test_one_inner_sgd_step_and_outer_sgd_at_rate_one_is_data_parallel_sgd():
   chex.assert_trees_all_close(state.outer.params, ref_params, rtol=1e-5, atol=1e-6)
   replica_3 = jax.tree.map(lambda x: x[3], state.params)
   chex.assert_trees_all_close(replica_3, ref_params, rtol=1e-5, atol=1e-6)
+
+
+def meshtrain_train(workdir, flags) -> list[dict]:
+  """`meshtrain train --config configs/tiny.py FLAGS` in this process: its metrics.jsonl."""
+  with pytest.raises(SystemExit) as exit_info:
+    cli.run(["train", "--config", str(REPO / "configs/tiny.py"), f"--config.workdir={workdir}",
+             *flags])
+  assert not exit_info.value.code, exit_info.value.code
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_h1_outer_sgd_from_the_command_line_logs_the_data_parallel_losses(tmp_path, real_text):
+  """The README's "H = 1, inner SGD and outer SGD at rate 1 is data-parallel
+  SGD" as a user runs it: text data, the default warmup then cosine decay, the
+  outer momentum left at its default (outer `sgd` is plain SGD; with momentum,
+  as `momentum` applies it, the runs part from step 4 on, once two nonzero
+  deltas have met in it)."""
+  flags = micro_flags(**{"mesh.data": 8, "steps": 6, "model.vocab_size": 256,
+                         "data.source": "text", "data.path": real_text,
+                         "optimizer.name": "sgd", "optimizer.learning_rate": 0.5,
+                         "optimizer.weight_decay": 0, "optimizer.clip_norm": 0})
+  data_parallel = meshtrain_train(tmp_path / "dp", flags)
+  local = meshtrain_train(tmp_path / "local", [
+      *flags, "--config.local_sgd.inner_steps=1", "--config.local_sgd.outer_optimizer=sgd",
+      "--config.local_sgd.outer_learning_rate=1.0"])
+  assert [r["step"] for r in local] == [r["step"] for r in data_parallel] == list(range(1, 7))
+  rates = [r["learning_rate"] for r in data_parallel]
+  chex.assert_trees_all_close(np.array([r["learning_rate"] for r in local]), np.array(rates),
+                              rtol=1e-6)
+  # warmup from 0 over 2 steps, then cosine decay: not a constant rate
+  assert rates[0] == 0 and rates.index(max(rates)) == 2 and rates[-1] < max(rates) / 2, rates
+  chex.assert_trees_all_close(np.array([r["loss"] for r in local]),
+                              np.array([r["loss"] for r in data_parallel]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("sgd", optax.sgd(0.7)), ("momentum", optax.sgd(0.7, momentum=0.9)),
+    ("nesterov", optax.sgd(0.7, momentum=0.9, nesterov=True))])
+def test_outer_optimizers_apply_the_momentum_they_name(name, expected):
+  """`outer_momentum` (0.9 here) belongs to `momentum` and `nesterov`; plain
+  `sgd` takes none, so at rate 1 it averages the replicas."""
+  cfg = local_config(2, **{"local_sgd.outer_optimizer": name, "local_sgd.outer_momentum": 0.9,
+                           "local_sgd.outer_learning_rate": 0.7}).local_sgd
+  outer, params = local_sgd.outer_optimizer(cfg), np.zeros(3, np.float32)
+  states = outer.init(params), expected.init(params)
+  for delta in (np.array([1.0, -2.0, 0.5], np.float32), np.array([0.5, 1.0, -1.0], np.float32)):
+    (got, state), (want, reference) = (opt.update(delta, st, params)
+                                       for opt, st in zip((outer, expected), states))
+    states = state, reference
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
 
 
 def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_steps):

@@ -1,7 +1,14 @@
 """config.offload: the float32 master weights and optimizer state (`optimizer`)
 or the layers' weights (`params`, fetched layer by layer) live in pinned host
-memory; training is unchanged."""
+memory, and `remat="offload"` keeps the weight matmuls' outputs there; training
+is unchanged.
 
+On a CPU host and device are one memory, so equal losses cannot show where
+bytes live: the program a GPU's XLA would receive (the step lowered for
+"cuda" on this machine) shows it, through its placements
+(`meshtrain.analysis.hlo.placements`)."""
+
+import collections
 import math
 import re
 
@@ -11,9 +18,10 @@ import pytest
 
 from conftest import micro_config, tiered
 from reference import random_batches
-from equivalence import meshtrain_run
-from meshtrain.analysis import selfcheck
+from equivalence import assert_matches_one_device, meshtrain_run
+from meshtrain.analysis import hlo, selfcheck
 from meshtrain.analysis.plan import compile_step, plan
+from meshtrain.train.setup import build
 
 
 def host_input_bytes(compiled) -> int:
@@ -80,3 +88,67 @@ def test_verify_runs_an_offloaded_config():
                         "offload.params": True})
   report = selfcheck.verify_config(cfg)
   assert report.ok(), report.format()
+
+
+def gpu_placements(cfg) -> list[hlo.Placement]:
+  """The placements of `cfg`'s train step as lowered for a GPU, and the state."""
+  setup = build(cfg)
+  state = setup.init_state()
+  batch = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)[0]
+  batch = {k: jax.device_put(v, setup.train_step.batch_sharding) for k, v in batch.items()}
+  lowered = setup.train_step.lower(state, batch, platforms=("cuda",))
+  return hlo.placements(lowered.compiler_ir("hlo").as_hlo_text()), state
+
+
+@pytest.mark.parametrize("remat", tiered(("none", "full", "selective"), ("none",)))
+def test_streamed_weights_come_to_the_device_inside_the_layer_loop(remat):
+  """With `offload.params` each layer's weights come to the device inside the
+  layers' loop, once in the forward and again in the backward (never the
+  whole stack kept there), and each layer's gradient goes back to the host
+  in the backward's loop: one placement per weight per direction."""
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "offload.params": True, "remat": remat})
+  found, state = gpu_placements(cfg)
+  per_layer = collections.Counter(x.shape[1:] for x in jax.tree.leaves(state.params["layers"]))
+  in_loop = {memory: collections.Counter(p.dims for p in found if p.in_loop and p.memory == memory)
+             for memory in ("device", "pinned_host")}
+  assert in_loop["device"] == {dims: 2 * n for dims, n in per_layer.items()}
+  assert in_loop["pinned_host"] == per_layer
+
+
+def test_offloaded_optimizer_state_comes_to_the_device_for_the_update_and_back():
+  """With `offload.optimizer` every leaf of the state on the host is placed on
+  the device as it enters the step, and as many computed values go back to
+  the host (jax's own output annotations aside); nothing moves in a loop."""
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "offload.optimizer": True})
+  found, state = gpu_placements(cfg)
+  on_host = {i for i, x in enumerate(jax.tree.leaves(state))
+             if x.sharding.memory_kind == "pinned_host"}
+  assert len(on_host) == len(jax.tree.leaves((state.params, state.opt_state)))
+  assert {p.parameter for p in found if p.memory == "device"} - {None} == on_host
+  moved_back = [p for p in found if p.memory == "pinned_host" and p.parameter is None
+                and not p.replaced]
+  assert len(moved_back) == len(on_host)
+  assert not any(p.in_loop for p in found)
+
+
+def test_offloaded_activations_go_to_the_host_per_layer_and_train_like_none():
+  """`remat="offload"`: the weight matmuls' outputs that the backward needs go
+  to the host inside the forward's layer loop and come back inside the
+  backward's, one placement each way; the run equals plain jit (no
+  recomputation changes a value), and `plan` counts those bytes on the host,
+  not on the device."""
+  cfg = micro_config(**{"mesh.data": 2, "mesh.fsdp": 4, "remat": "offload"})
+  found, _ = gpu_placements(cfg)
+  to_host = collections.Counter(p.dims for p in found if p.in_loop and p.memory == "pinned_host")
+  back = collections.Counter(p.dims for p in found if p.in_loop and p.memory == "device")
+  assert to_host and to_host == back
+  # activations ([2,] batch, length, ...), not weights
+  assert all(dims[dims[0] == 2:][:2] == (cfg.global_batch, cfg.seq_len) for dims in to_host)
+  batches = random_batches(3, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  assert_matches_one_device(cfg, batches)
+  memory = {remat: plan(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4, "remat": remat}), 8,
+                        compile_step=False)["analytic"]["memory_bytes"]
+            for remat in ("offload", "selective")}
+  assert memory["offload"]["host_activations"] == memory["selective"]["activations"] - (
+      memory["offload"]["activations"])
+  assert 0 < memory["offload"]["activations"] < memory["selective"]["activations"]

@@ -35,6 +35,7 @@ def pipeline_config(microbatches=4, schedule="1f1b", **changes):
     (dict(mesh=dict(data=2, sequence=2), attention=dict(sequence_strategy="ring")),
      "config.attention.sequence_strategy"),
     (dict(offload=dict(params=True)), "config.offload.params"),
+    (dict(remat="offload"), "config.remat"),
     (dict(pipeline=dict(virtual_stages=2), model=dict(num_layers=4)),
      "config.pipeline.virtual_stages"),  # 1f1b runs one chunk per stage
 ])

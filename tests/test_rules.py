@@ -85,3 +85,17 @@ def test_unknown_names_are_listed_with_their_weights():
   names = {"a": {"kernel": ("embed", "kv")}, "b": {"kernel": ("kv", ("fsdp", "q"))}}
   assert r.unknown_names(names, r.strategy_rules(mesh_of(fsdp=8)).params) == {
       "kv": ["a/kernel", "b/kernel"], "q": ["b/kernel"]}
+
+
+def test_layout_changes_name_each_reordered_or_dropped_axis():
+  """What `logical_to_spec` changes is reported per annotation: axes asked in
+  another order (`P(('tensor', 'fsdp'))`), an axis an earlier dimension took."""
+  mesh = make_mesh({**{a: 1 for a in AXES}, "fsdp": 4, "tensor": 2})
+  rules = r.compose({"a": "fsdp", "b": "tensor"})
+  names = {"w": (("tensor", "fsdp"), None), "x": ("a", "a"), "y": ("a", "b"),
+           "z": ("a", ("b", "sequence"))}  # sequence has size 1: no split asked
+  assert r.logical_to_spec(names["w"], rules) == P(("fsdp", "tensor"), None)
+  assert r.layout_changes(names, mesh, rules) == [
+      "w (('tensor', 'fsdp'), None): dimension 0 (('tensor', 'fsdp')) splits over "
+      "('fsdp', 'tensor') in mesh order, not ('tensor', 'fsdp')",
+      "x ('a', 'a'): dimension 1 (a) is not split over 'fsdp', which an earlier dimension uses"]

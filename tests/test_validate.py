@@ -23,7 +23,7 @@ VALUES = st.one_of(
     st.sampled_from(["nan", "inf", "-1", "0", "1e-3", "0.5", "1.0", "1e30", "abc", "", "true",
                      "false", "xla", "cudnn", "ring", "ulysses", "all_gather_kv", "bfloat16",
                      "gpipe", "1f1b", "interleaved_1f1b", "text", "synthetic", "full",
-                     "selective", "skip", "data,pipeline", "tensor"]))
+                     "selective", "offload", "skip", "data,pipeline", "tensor"]))
 MESH = st.tuples(st.sampled_from([f"mesh.{axis}" for axis in ("data", "fsdp", "tensor", "pipeline",
                                                                 "sequence")]),
                  st.sampled_from(["-1", "0", "1", "2", "3", "4", "8"]))

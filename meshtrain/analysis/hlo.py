@@ -3,7 +3,9 @@
 `collectives(compiled, mesh)` answers "which collectives does this step run,
 over which mesh axes, how often, and how many bytes does each device move?"
 from `compiled.as_text()`; `memory_bytes(compiled)` reads the per-device
-buffer sizes XLA planned.
+buffer sizes XLA planned; `placements(program)` lists the moves between
+device and host memory in the program XLA receives, and whether each runs
+inside a loop.
 
 Byte convention (ring algorithm, per device, per execution; N is the per-device
 operand size in bytes, n the number of devices in a group):
@@ -171,11 +173,11 @@ class _Module:
 
   def called(self, inst: _Instruction) -> list[str]:
     """Computations an instruction calls (fusions, loops, branches, ...)."""
-    names = re.findall(r"%([\w.\-]+)", inst.attributes)
+    names = re.findall(r"%?([\w.\-]+)", inst.attributes)
     return [n for n in names if n in self.computations]
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 
@@ -650,6 +652,49 @@ def loop_copy_bytes(program: str | _HasText) -> int:
     raise ValueError("the program has no loop")
   body = re.search(r"body=%([\w.\-]+)", loop.attributes).group(1)
   return copied(body)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """One move of a value into a memory (`jax.device_put` to a memory space:
+  an `annotate_device_placement` custom call in the program XLA receives)."""
+  memory: str                # where the value goes: "device" or "pinned_host"
+  dims: tuple[int, ...]      # its global shape
+  in_loop: bool              # inside a loop body (a layer's scan), not once per program
+  executions: int            # per program run: loops times their trip counts
+  parameter: int | None      # the program's argument it places, if it places one as it came
+  replaced: bool             # its value was placed just before (jax's own output annotation)
+
+
+def _is_placement(inst: _Instruction) -> bool:
+  return inst.opcode == "custom-call" and "annotate_device_placement" in inst.attributes
+
+
+def placements(program: str | _HasText) -> list[Placement]:
+  """The memory placements of an HLO program: the text of
+  `lowered.compiler_ir("hlo").as_hlo_text()` (before XLA's passes). jax
+  writes them only where the lowering platform has memories apart (GPU, TPU):
+  to see a CPU program's, lower it with `lowering_platforms=("cuda",)`."""
+  module = _parse_module(_hlo_text(program))
+  executions = _executions(module)
+
+  def source(inst: _Instruction) -> _Instruction:
+    """The value a placement's operand is, through layout annotations."""
+    while inst.opcode == "custom-call" and 'custom_call_target="Sharding"' in inst.attributes:
+      inst = module.by_name[(inst.computation, inst.operands[0])]
+    return inst
+
+  found = []
+  for inst in filter(_is_placement, module.instructions()):
+    memory = re.search(r'_xla_buffer_placement="?(\w+)', inst.attributes).group(1)
+    runs = executions[inst.computation]
+    dims = re.search(r"\[([\d,]*)\]", inst.shape).group(1)
+    value = source(module.by_name[(inst.computation, inst.operands[0])])
+    parameter = (int(value.operands[0]) if value.opcode == "parameter"
+                 and value.computation == module.entry else None)
+    found.append(Placement(memory, tuple(_ints(dims)), runs.in_loop, runs.count, parameter,
+                           _is_placement(value)))
+  return found
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:

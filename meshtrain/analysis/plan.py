@@ -162,6 +162,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   memory["total"] = sum(memory.values())
   if host:
     memory["host"] = host
+  if activations is None and cfg.remat == "offload":
+    memory["host_activations"] = activation_bytes(cfg, mesh, rules, on_host=True)
   return {"memory_bytes": {k: int(v) for k, v in memory.items()}, "collectives": collectives}
 
 
@@ -300,8 +302,10 @@ def traced_model(cfg, layers: int, remat: str):
                              moe=dataclasses.replace(model_cfg.moe, first_dense_layers=0))
 
 
-def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> int:
-  """Per-device bytes the Llama with `layers` layers saves on `rows` sequences."""
+def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
+                   on_host: bool = False) -> int:
+  """Per-device bytes the Llama with `layers` layers saves on `rows` sequences
+  in device memory (`on_host`: in host memory, as `remat="offload"` does)."""
   model_cfg = traced_model(cfg, layers, remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
@@ -310,8 +314,8 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str) -> i
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
                                     mesh, rules)
-  return sum(x.device_bytes for x in saved
-             if not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
+  return sum(x.device_bytes for x in saved if x.on_host == on_host
+             and not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
 
 
 def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> tuple[int, int, int]:
@@ -328,11 +332,14 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
           table.num_slots("head_res") + table.num_slots("head_cut"))
 
 
-def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str) -> tuple[int, int]:
+def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,
+                             on_host: bool = False) -> tuple[int, int]:
   """Per-device bytes one layer saves on `rows` sequences, and what the
-  embedding, head and loss save: residuals grow linearly with depth (the
-  layers' scan stacks them), so two traces give both."""
-  one, two = (residual_bytes(cfg, mesh, rules, layers=n, rows=rows, remat=remat) for n in (1, 2))
+  embedding, head and loss save (in device memory, or `on_host`): residuals
+  grow linearly with depth (the layers' scan stacks them), so two traces
+  give both."""
+  one, two = (residual_bytes(cfg, mesh, rules, layers=n, rows=rows, remat=remat, on_host=on_host)
+              for n in (1, 2))
   return two - one, 2 * one - two
 
 
@@ -342,10 +349,11 @@ def _microbatch_rows(cfg, mesh) -> int:
   return rows // cfg.pipeline.microbatches if mesh.shape["pipeline"] > 1 else rows
 
 
-def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
+def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -> int:
   """Peak bytes per device of the residuals the model saves for its backward
-  (`meshtrain.analysis.residuals`). A pipeline stage holds `pipeline_slots`
-  of a chunk's inputs, of its layers' residuals and of the head's, for one
+  (`meshtrain.analysis.residuals`) in device memory, or `on_host` (those
+  `remat="offload"` moves there). A pipeline stage holds `pipeline_slots` of
+  a chunk's inputs, of its layers' residuals and of the head's, for one
   microbatch each.
   """
   m, stages = cfg.model, mesh.shape["pipeline"]
@@ -360,8 +368,8 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
     inputs = (input_slots * per_device_rows * length * m.embed_dim
               * jnp.dtype(cfg.compute_dtype).itemsize)
-  per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat)
-  return inputs + residual_slots * layers * per_layer + head_slots * head
+  per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)
+  return (not on_host) * inputs + residual_slots * layers * per_layer + head_slots * head
 
 
 def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:

@@ -36,6 +36,7 @@ class Residual:
   dtype: str
   spec: Spec
   device_bytes: int  # on one device
+  on_host: bool = False  # kept in host memory (an offloading `jax.checkpoint` policy)
 
   @property
   def bytes(self) -> int:
@@ -301,7 +302,8 @@ def saved_residuals(loss_fn: Callable[[Any, dict], jax.Array], abstract_params, 
   for i in _new_outputs(jaxpr, len(jax.tree.leaves(abstract_params))):
     aval = jaxpr.outvars[i].aval
     shape, dtype = tuple(aval.shape), str(aval.dtype)
-    saved.append(Residual(shape, dtype, specs[i], _device_bytes(shape, dtype, specs[i], mesh)))
+    saved.append(Residual(shape, dtype, specs[i], _device_bytes(shape, dtype, specs[i], mesh),
+                          aval.memory_space == jax.memory.Space.Host))
   return saved
 
 

@@ -35,6 +35,12 @@ def _read_tokens(path: str | None, *, min_tokens: int) -> np.ndarray:
     ) from error
   if not data:
     raise ConfigError("config.data.path", f"file '{path}' is empty; {fix}")
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    raise ConfigError("config.data.path", f"file '{path}' is not UTF-8 text (byte "
+                      f"{error.start} is 0x{data[error.start]:02x}); {fix}, or tokenize "
+                      "other data with `meshtrain prepare` and use data.source=tokens") from error
   if len(data) < min_tokens:
     raise ConfigError(
         "config.data.path",

@@ -39,7 +39,7 @@ from meshtrain.models.moe import MoE, MoEConfig
 from meshtrain.models.rope import rotary
 from meshtrain.parallel import attention, experts
 
-Remat = Literal["none", "full", "selective"]
+Remat = Literal["none", "full", "selective", "offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,6 @@ class LlamaConfig:
                               self.rope_high_freq_factor, self.rope_original_max_positions)
 
 
-def _as_they_are(weights: Any) -> Any:
-  return weights
-
-
 def _batch_sum(x_BxLx: jax.Array) -> jax.Array:
   return x_BxLx.sum(axis=(0, 1))
 
@@ -97,13 +93,14 @@ class Slots:
   aux_loss_weight: how much one forward's auxiliary losses weigh in the step's
     loss (a pipeline runs M forwards a step, each weighing 1/M).
   layer_weights(weights) -> weights: one layer's weights, as its layer runs
-    (offload brings them from the host here); the default returns them.
+    (offload brings them from the host here), run again in the layer's
+    backward rather than kept; None: the weights as they are.
   """
   attention: Callable[..., jax.Array] = attention.causal_attention
   experts: Callable[..., jax.Array] = experts.grouped_experts
   token_sum: Callable[[jax.Array], jax.Array] = _batch_sum
   aux_loss_weight: float = 1.0
-  layer_weights: Callable[[Any], Any] = _as_they_are
+  layer_weights: Callable[[Any], Any] | None = None
 
 
 class Attention(nnx.Module):
@@ -215,13 +212,25 @@ class Block(nnx.Module):
     return self.forward(x_BxLxD, positions_BxL, segment_ids_BxL)[0]
 
 
+WEIGHT_MATMULS = (QKV, ATTN_OUT, MLP_IN, MLP_OUT)
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep the outputs of the weight matmuls (named above); recompute norms,
     # rotary, attention and SwiGLU's product. Korthikanti et al.'s selective
     # recomputation recomputes only attention.
-    "selective": jax.checkpoint_policies.save_only_these_names(QKV, ATTN_OUT, MLP_IN, MLP_OUT),
+    "selective": jax.checkpoint_policies.save_only_these_names(*WEIGHT_MATMULS),
+    # The same outputs, kept in pinned host memory: copied there as each layer's
+    # forward runs and back as its backward runs; the rest is recomputed.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=WEIGHT_MATMULS,
+        offload_src="device", offload_dst="pinned_host"),
 }
+# `remat="none"` where the layer weights are fetched (`Slots.layer_weights`):
+# every matmul's output and every named value is kept, and what the fetch and
+# the elementwise ops compute is recomputed, so the backward fetches each
+# layer's weights again instead of keeping every layer's on the device.
+FETCHED_WEIGHTS_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_any_names_but_these())
 
 
 class Embed(nnx.Module):
@@ -303,24 +312,27 @@ def stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots(),
 
 def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | None = None,
                remat: Remat = "none", segment_ids_BxL: jax.Array | None = None,
-               layer_weights: Callable[[Any], Any] = _as_they_are
+               layer_weights: Callable[[Any], Any] | None = None
                ) -> tuple[jax.Array, dict | None]:
   """Runs stacked blocks (any number: the whole model or a pipeline chunk) with
   one `lax.scan`, recomputing activations by the `remat` policy; with
   `segment_ids_BxL`, attention stays inside each packed document. Positions
   default to `default_positions`; each layer's weights pass through
-  `layer_weights` (`Slots.layer_weights`) as it runs. Returns the output and
-  the routed layers' counts stacked over the layers (None for dense ones)."""
+  `layer_weights` (`Slots.layer_weights`) as it runs, forward and again in
+  its backward. Returns the output and the routed layers' counts stacked over
+  the layers (None for dense ones)."""
   if positions_BxL is None:
     positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
 
   def layer(x_BxLxD, state):
-    block = nnx.merge(graphdef, layer_weights(state))
+    block = nnx.merge(graphdef, state if layer_weights is None else layer_weights(state))
     return block.forward(x_BxLxD, positions_BxL, segment_ids_BxL)
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+  elif layer_weights is not None:
+    layer = jax.checkpoint(layer, policy=FETCHED_WEIGHTS_POLICY)
   return jax.lax.scan(layer, x_BxLxD, layer_state)
 
 

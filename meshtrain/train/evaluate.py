@@ -86,13 +86,7 @@ def _loss_fn(cfg, setup: Setup):
   forward schedule on a pipeline mesh, else the training loss over the step's
   `grad_accum_steps` microbatches in turn."""
   if setup.mesh.shape["pipeline"] > 1:
-    forward = getattr(pipelined, "pipelined_loss", None)  # the pipeline's forward-only schedule
-    if forward is None:
-      raise ConfigError("config.eval.every_steps", "evaluation on a pipeline mesh needs the "
-                        "pipeline's forward-only schedule, which is not there yet; set it to 0 and "
-                        "evaluate the checkpoints with `meshtrain eval --workdir W "
-                        "--config.mesh.pipeline=1`")
-    return forward(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
+    return pipelined.pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
 
   def microbatched(params, batch, model_state):
     losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch, model_state)[0],

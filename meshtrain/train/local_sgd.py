@@ -32,7 +32,7 @@ from meshtrain.train.state import ModelSpec, TrainState, state_shardings
 from meshtrain.train.step import (Program, StepOptions, batch_sharding, build_program,
                                   train_step)
 
-OUTER_OPTIMIZERS = ("sgd", "nesterov")
+OUTER_OPTIMIZERS = ("sgd", "momentum", "nesterov")
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +61,13 @@ def validate(cfg) -> None:
 
 
 def outer_optimizer(local_cfg) -> optax.GradientTransformation:
-  """Applies the mean delta (old shared weights - replica weights) as a gradient."""
-  return optax.sgd(local_cfg.outer_learning_rate, momentum=local_cfg.outer_momentum or None,
-                   nesterov=local_cfg.outer_optimizer == "nesterov")
+  """Applies the mean delta (old shared weights - replica weights) as a gradient:
+  `sgd` plainly (at rate 1 it averages the replicas; with H = 1 and inner SGD
+  it is data-parallel SGD), `momentum` (heavy ball) and `nesterov` (DiLoCo's)
+  with `outer_momentum`."""
+  name = local_cfg.outer_optimizer
+  momentum = None if name == "sgd" else local_cfg.outer_momentum or None
+  return optax.sgd(local_cfg.outer_learning_rate, momentum=momentum, nesterov=name == "nesterov")
 
 
 def _stacked(sharding: NamedSharding) -> NamedSharding:

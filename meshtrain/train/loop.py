@@ -25,6 +25,7 @@ from meshtrain.train.parallelize import model_config
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
+from meshtrain.train.setup import padded_vocab as rounded_vocab
 
 
 def describe(setup: Setup) -> str:
@@ -36,23 +37,24 @@ def describe(setup: Setup) -> str:
   for axis, share in r.replicated_share(setup.spec.abstract_params, setup.spec.names, mesh,
                                         setup.rules.params).items():
     lines.append(f"  {share:.1%} of parameter bytes are not split over '{axis}'")
+  model, tensor = setup.cfg.model, mesh.shape["tensor"]
+  if model.num_kv_heads % tensor:
+    lines.append(f"  kv heads kept whole: tensor={tensor} does not divide model.num_kv_heads="
+                 f"{model.num_kv_heads} (each device keeps every kv head, its share of the "
+                 "query heads)")
+  lines += [f"  layout: {note}" for note in r.layout_changes(setup.spec.names, mesh,
+                                                             setup.rules.params)]
   return "\n".join(lines)
 
 
 def padded_vocab(cfg):
-  """The config with `model.vocab_size` rounded up to a multiple of the mesh's
-  `tensor` size where the data is a prepared corpus: the rows past the
-  tokenizer's ids are padding (never a target), and `vocab` splits evenly."""
+  """`meshtrain.train.setup.padded_vocab` on this run's mesh, printed where it changes."""
   tensor = make_mesh(cfg.mesh, jax.devices()).shape["tensor"]
-  if cfg.data.source != "tokens" or not cfg.model.vocab_size % tensor:
-    return cfg
-  cfg = cfg.copy_and_resolve_references()
-  padded = -(-cfg.model.vocab_size // tensor) * tensor
-  if jax.process_index() == 0:
-    print(f"model.vocab_size {cfg.model.vocab_size} -> {padded}, a multiple of mesh.tensor = "
-          f"{tensor}", flush=True)
-  cfg.model.vocab_size = padded
-  return cfg
+  padded = rounded_vocab(cfg, tensor)
+  if padded is not cfg and jax.process_index() == 0:
+    print(f"model.vocab_size {cfg.model.vocab_size} -> {padded.model.vocab_size}, a multiple "
+          f"of mesh.tensor = {tensor} (the rows past the data's ids are padding)", flush=True)
+  return padded
 
 
 def _announce(cfg, setup: Setup, workdir: Path, origin: str, start: int, rows: range) -> None:

@@ -23,7 +23,7 @@ from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state,
 from meshtrain.train.step import LossFn, TrainStep
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT = ("none", "full", "selective")
+REMAT = ("none", "full", "selective", "offload")
 NAN_POLICIES = ("stop", "skip")
 ATTENTION = ("", "xla", "cudnn")
 PACKING = ("concat", "segments")
@@ -54,6 +54,18 @@ class Setup:
 def _check_choice(key: str, value, choices) -> None:
   if value not in choices:
     raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def padded_vocab(cfg, tensor: int):
+  """The config with `model.vocab_size` rounded up to a multiple of `tensor`
+  (the mesh's) where the data's ids are fewer than the vocabulary (a prepared
+  corpus, byte-level text): the extra rows are padding, never a target, and
+  `vocab` splits evenly. A synthetic task's vocabulary is the task: as given."""
+  if cfg.data.source not in ("tokens", "text") or not cfg.model.vocab_size % tensor:
+    return cfg
+  cfg = cfg.copy_and_resolve_references()
+  cfg.model.vocab_size = -(-cfg.model.vocab_size // tensor) * tensor
+  return cfg
 
 
 def validate(cfg, mesh: Mesh) -> None:
@@ -178,6 +190,9 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
   if cfg.offload.params:
     raise ConfigError("config.offload.params", "the pipeline stages the layers' weights itself; "
                       "set it to False (config.offload.optimizer composes)")
+  if cfg.remat == "offload":
+    raise ConfigError("config.remat", "the pipeline keeps each microbatch's residuals in its own "
+                      "device buffers, not on the host; use selective or full")
   if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
     raise ConfigError("config.pipeline.virtual_stages",
                       f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "

@@ -324,6 +324,9 @@ class TrainStep:
     with self._context():
       return self._jitted(state, batch)
 
-  def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+  def lower(self, state: TrainState, batch: Batch,
+            platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
+    """The step lowered for this machine, or for `platforms` (say `("cuda",)`
+    on a CPU machine, to read what a GPU's XLA would receive)."""
     with self._context():
-      return self._jitted.lower(state, batch)
+      return self._jitted.trace(state, batch).lower(lowering_platforms=platforms)
