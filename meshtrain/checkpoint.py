@@ -23,9 +23,11 @@ in any number of processes.
 """
 
 import contextlib
+import json
 import logging
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +47,88 @@ def storage_error(key: str, what: str, reason: str, directory: Path) -> StorageE
                       "then rerun to resume")
 
 
-def _not_an_orbax_error(record: logging.LogRecord) -> bool:
-  """orbax logs a failed save from each of its threads; `Checkpoints` reports it once."""
-  return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+# What a failed save says, in tensorstore's and the OS's words.
+_DISK_FAILURE = (r"No space left on device|Read-only file system|Permission denied|"
+                 r"Disk quota exceeded|No such file or directory")
+# tensorstore's errors (ValueError, status code first) for files that are
+# missing, cut short or not what they should be; no code: INVALID_ARGUMENT.
+_TENSORSTORE_DAMAGE = re.compile(
+    r"(?:(?:NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT): )?"
+    r"Error (?:opening|reading|decoding) ")
 
 
-def _closed_loop(value) -> bool:
-  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+def damage_reason(error: BaseException) -> str | None:
+  """Why a checkpoint's files are missing or damaged, when `error` or an error
+  it was raised from says so (orbax wraps tensorstore's); None for anything
+  else (out of memory, a bug), which is no reason to remove a checkpoint."""
+  while error is not None:
+    if (isinstance(error, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)) or
+        (isinstance(error, KeyError) and "was not found in the checkpoint" in str(error)) or
+        (type(error) is ValueError and _TENSORSTORE_DAMAGE.match(str(error)))):
+      text = str(error.args[0] if isinstance(error, KeyError) else error).strip()
+      return text.splitlines()[0].split(" [tensorstore_spec=")[0] if text else type(error).__name__
+    error = error.__cause__
+  return None
 
 
-def _quiet_about_closed_loops() -> None:
-  """After one write of a save fails, orbax closes its event loop while
-  tensorstore's other writes still call back into it; each callback's
-  `RuntimeError: Event loop is closed` reaches `sys.unraisablehook` (from
-  tensorstore's threads) or `sys.excepthook`. The failure itself is reported
-  once, by `Checkpoints`."""
-  if getattr(sys.unraisablehook, "quiet", False):
-    return
-  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
-  sys.excepthook = lambda kind, value, tb: _closed_loop(value) or excepthook(kind, value, tb)
-  sys.unraisablehook = lambda u: _closed_loop(u.exc_value) or unraisablehook(u)
-  sys.unraisablehook.quiet = True
+def _closed_loop(value, tb) -> bool:
+  """asyncio's `Event loop is closed`, met by a thread that is not Python's main one."""
+  if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed" and
+          threading.current_thread() is not threading.main_thread()):
+    return False
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+def _excepthook(kind, value, tb):
+  _closed_loop(value, tb) or _Quiet.saved[0](kind, value, tb)
+
+
+def _unraisablehook(unraisable):
+  _closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _Quiet.saved[1](unraisable)
+
+
+def _not_about_a_failed_save(record: logging.LogRecord) -> bool:
+  """orbax logs a failed save (a full or read-only disk) from each of its
+  threads; `Checkpoints` reports it once. Its other records pass."""
+  if record.levelno < logging.ERROR or "/orbax/" not in record.pathname.replace("\\", "/"):
+    return True
+  error = record.exc_info[1] if record.exc_info else None
+  text = f"{record.getMessage()} {error or ''}"
+  return not re.search(f"{_DISK_FAILURE}|Event loop is closed", text)
+
+
+class _Quiet:
+  """While a writable `Checkpoints` is open. After one write of a save fails,
+  orbax closes its event loop while tensorstore's other writes still call back
+  into it; each callback's `RuntimeError: Event loop is closed` reaches
+  `sys.excepthook` or `sys.unraisablehook` from tensorstore's threads, and
+  orbax logs the failure from each of its threads. The failure itself is
+  reported once, by `Checkpoints`. The first to open installs the hooks and
+  the log filter, the last to close puts back what was there."""
+
+  users = 0
+  saved = (sys.excepthook, sys.unraisablehook)
+
+  @classmethod
+  def open(cls) -> None:
+    cls.users += 1
+    if cls.users == 1:
+      cls.saved = sys.excepthook, sys.unraisablehook
+      sys.excepthook, sys.unraisablehook = _excepthook, _unraisablehook
+      logging.getLogger("absl").addFilter(_not_about_a_failed_save)
+
+  @classmethod
+  def close(cls) -> None:
+    cls.users -= 1
+    if cls.users:
+      return
+    logging.getLogger("absl").removeFilter(_not_about_a_failed_save)
+    if sys.excepthook is _excepthook:  # unless someone has replaced it since
+      sys.excepthook = cls.saved[0]
+    if sys.unraisablehook is _unraisablehook:
+      sys.unraisablehook = cls.saved[1]
 
 
 class Checkpoints:
@@ -77,15 +140,15 @@ class Checkpoints:
     """`config_key` names the setting that chose `directory`, for error messages."""
     self.directory = Path(directory).absolute()
     self.config_key, self.every_steps = config_key, every_steps
-    self._failed = False
-    logging.getLogger("absl").addFilter(_not_an_orbax_error)  # once: the same function
-    _quiet_about_closed_loops()
+    self._failed, self._closed, self._quiet = False, False, not read_only
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep or None, read_only=read_only, create=not read_only,
         cleanup_tmp_directories=not read_only)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
         "state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler()})
+    if self._quiet:  # only a save makes the noise
+      _Quiet.open()
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -109,14 +172,17 @@ class Checkpoints:
     """The state of `step` laid out by `shardings`; moves `data_iterator` to its position.
 
     Raises ConfigError naming the path and the first difference when the
-    checkpoint does not fit this config, or when it cannot be read.
+    checkpoint does not fit this config, or when its files are missing,
+    damaged or fail to read; anything else (out of memory, a bug) goes through.
     """
     path = self.directory / str(step)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           abstract_state, shardings)
     with self._reading(step):
-      mismatch = _mismatch(self._manager.item_metadata(step)["state"].tree, target,
-                           saved_config=self.saved_config(step), cfg=cfg)
+      saved = self._manager.item_metadata(step).get("state")
+      if saved is None:
+        raise FileNotFoundError(f"{path / 'state'} has no metadata")
+      mismatch = _mismatch(saved.tree, target, saved_config=self.saved_config(step), cfg=cfg)
       restored = None if mismatch else self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     if mismatch:
@@ -132,16 +198,23 @@ class Checkpoints:
 
   @contextlib.contextmanager
   def _reading(self, step: int):
-    """A checkpoint that cannot be read is one line naming it."""
+    """A checkpoint whose files are missing or damaged is one line naming it
+    and the fix; one whose files fail to read (an I/O error, no permission), a
+    line naming the reason. Other errors are not the checkpoint's."""
+    path = self.directory / str(step)
     try:
       yield
     except ConfigError:
       raise
-    except Exception as error:  # orbax and tensorstore raise many kinds on bad files
-      reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-      raise ConfigError(self.config_key, f"checkpoint {self.directory / str(step)} cannot be read "
-                        f"({reason}); remove that step directory to resume from the one before"
-                        ) from None
+    except Exception as error:
+      reason = damage_reason(error)
+      if reason is not None:
+        raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
+                          "remove that step directory to resume from the one before") from None
+      if isinstance(error, OSError):
+        raise ConfigError(self.config_key, f"checkpoint {path} cannot be read "
+                          f"({error.strerror or error})") from None
+      raise
 
   def wait(self) -> None:
     """Blocks until the saves in flight are on disk."""
@@ -150,12 +223,19 @@ class Checkpoints:
 
   def close(self) -> None:
     """Waits for the saves in flight; after a failed save, only stops orbax."""
-    if self._failed:
-      with contextlib.suppress(Exception):
-        self._manager.close()
+    if self._closed:
       return
-    with self._writing():
-      self._manager.close()
+    try:
+      if self._failed:
+        with contextlib.suppress(Exception):
+          self._manager.close()
+        return
+      with self._writing():
+        self._manager.close()
+    finally:
+      self._closed = True
+      if self._quiet:
+        _Quiet.close()
 
   @contextlib.contextmanager
   def _writing(self):
@@ -168,8 +248,7 @@ class Checkpoints:
     except Exception as error:  # orbax and tensorstore raise many kinds for an OS error
       self._failed = True
       message = str(error)
-      known = re.search(r"No space left on device|Read-only file system|Permission denied|"
-                        r"Disk quota exceeded|No such file or directory", message)
+      known = re.search(_DISK_FAILURE, message)
       reason = known.group(0) if known else (message.strip().splitlines() or [repr(error)])[0]
       raise storage_error(self.config_key, f"saving a checkpoint into {self.directory}", reason,
                           self.directory) from None

@@ -6,6 +6,7 @@
 """
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -86,6 +87,10 @@ _VERIFY_STEPS = flags.DEFINE_integer("verify_steps", 2, "verify: train steps to 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "launch: processes to start")
 _DEVICES_PER_PROCESS = flags.DEFINE_integer(
     "devices_per_process", 0, "launch: simulated CPU devices per process (0: the config's)")
+_MAX_RESTARTS = flags.DEFINE_integer(
+    "max_restarts", 0, "launch: when a process fails, stop the others and start them all again "
+    "(train resumes from its newest checkpoint), up to this many times; bad input (exit 2) is "
+    "not restarted")
 
 # import-hf / export-hf / generate
 _FROM = flags.DEFINE_string("from", None, "import-hf: a Hugging Face Llama directory")
@@ -357,21 +362,27 @@ def launch_command(argv: list[str]) -> None:
   if devices_per_process < 0:
     raise ConfigError("--devices_per_process", f"is {devices_per_process}; give 0 (the config's "
                       "simulate_devices) or a number of simulated CPU devices")
-  _check_launched(command, num_processes, devices_per_process)
-  sys.exit(launch.launch(command, num_processes, devices_per_process))
+  max_restarts = _MAX_RESTARTS.value  # read before the command's own flags are parsed
+  if max_restarts < 0:
+    raise ConfigError("--max_restarts", f"is {max_restarts}; give 0 (none) or more")
+  cfg = _check_launched(command, num_processes, devices_per_process)
+  sys.exit(launch.launch(command, num_processes, devices_per_process, max_restarts,
+                         workdir=cfg.workdir if command[0] == "train" else None,
+                         log_every=cfg.log_every))
 
 
-def _check_launched(command: list[str], num_processes: int, devices_per_process: int) -> None:
+def _check_launched(command: list[str], num_processes: int, devices_per_process: int):
   """The launched command's flags and config, checked here once rather than
-  failing in every process after they have joined."""
+  failing in every process after they have joined; returns the config."""
   argv = flag_parsing.with_config(command, meshtrain.config.__file__)
   _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
+  _CONFIG.value.distributed.update(num_processes=num_processes, process_id=0,
+                                   coordinator_address="127.0.0.1:1")  # what launch passes each process
   cfg = checked_config(writes_workdir=argv[0] == "train")
-  cfg.distributed.update(num_processes=num_processes, process_id=0,
-                         coordinator_address="127.0.0.1:1")  # what launch passes each process
   cfg.simulate_devices = devices_per_process or cfg.simulate_devices
   if cfg.simulate_devices:
     validate.check_devices(cfg, cfg.simulate_devices * num_processes)
+  return cfg
 
 
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
@@ -397,11 +408,59 @@ def _guarded(command):
     except TrainingHalted as error:
       print(f"stopped: {error}", file=sys.stderr)
       sys.exit(3)
-    except OSError as error:  # the disk, mid-run: full, read-only or removed under the run
-      workdir = Path(_CONFIG.value.workdir)
-      _fail(storage_error("config.workdir", f"writing into {workdir}", error.strerror or str(error),
-                          workdir / "checkpoints"), at_once=True)
+    except OSError as error:
+      failure = _os_failure(command, error)
+      if failure is None:  # in no path a flag names: its own traceback says where
+        raise
+      _fail(failure, at_once=isinstance(failure, StorageError))
   return main
+
+
+def _paths(command) -> list[tuple[str, str, bool]]:
+  """(flag, path, whether `command` writes there) for the paths its flags name
+  that it reads or writes past its own checks. train's workdir is apart
+  (`_os_failure`); prepare's inputs and tokenizer, generate's prompts and
+  the data of a run report their own errors."""
+  cfg = _CONFIG.value
+  return {
+      train_command: [("config.checkpoint.restore_from", cfg.checkpoint.restore_from, False),
+                      ("config.init_from", cfg.init_from.removeprefix("hf:"), False)],
+      plan_command: [("--cluster", _CLUSTER.value, False)],
+      schedule_command: [("--out", _OUT.value, True)],
+      prepare_command: [("--out", _OUT.value, True)],
+      eval_command: [("--workdir", _WORKDIR.value, False)],
+      generate_command: [("--workdir", _WORKDIR.value, False)],
+      export_hf_command: [("--to", _TO.value, True), ("--workdir", _WORKDIR.value, False)],
+      import_hf_command: [("--to", _TO.value, True), ("--from", _FROM.value, False)],
+  }.get(command, [])
+
+
+def _os_failure(command, error: OSError) -> ConfigError | None:
+  """`error` as one line naming the flag whose path it happened in, or None.
+  Only train's workdir is the disk of a running job (StorageError): train
+  reads its inputs when it starts, each with its own check, so an error that
+  names no file (a write to an open file) is a write there."""
+  reason = error.strerror or str(error)
+  paths = [p for p in (error.filename, error.filename2) if isinstance(p, (str, bytes, os.PathLike))]
+  if command is train_command:
+    workdir = Path(_CONFIG.value.workdir)
+    if not paths or any(_within(path, workdir) for path in paths):
+      return storage_error("config.workdir", f"writing into {workdir}", reason,
+                           workdir / "checkpoints")
+  # These only come from writing (shutil names the source file first).
+  writing = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+  for path in paths:
+    for flag, place, writes in _paths(command):
+      if place and (writes or not writing) and _within(path, place):
+        return ConfigError(flag, f"{'writing' if writes else 'reading'} {os.fsdecode(path)} "
+                           f"failed ({reason})")
+  return None
+
+
+def _within(path, folder) -> bool:
+  """Whether `path` is `folder` or inside it."""
+  path, folder = (os.path.abspath(os.fsdecode(p)) for p in (path, folder))
+  return os.path.commonpath([path, folder]) == folder
 
 
 def _fail(error: ConfigError, at_once: bool = False) -> NoReturn:

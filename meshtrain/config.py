@@ -43,7 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.num_processes = 1         # processes (hosts) in the job; 0: detect (Slurm, Open MPI, TPU)
   c.distributed.process_id = -1           # this process's id when num_processes > 1
   c.distributed.coordinator_address = ""  # host:port of process 0 when num_processes > 1
-  c.distributed.timeout_s = 120           # joining, and noticing a dead peer (heartbeats)
+  c.distributed.timeout_s = 120           # joining, and noticing a lost peer (its heartbeats stop): exit 4
+  c.distributed.step_timeout_s = 300      # several processes: a step, save or evaluation running longer is a hang: exit 4, stacks in the workdir (0: off)
+  c.distributed.compile_timeout_s = 1800  # the same for what compiles: setting up, the first step, the first evaluation
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256      # byte-level tokenizer

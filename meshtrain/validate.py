@@ -104,6 +104,8 @@ RULES: dict[str, Rule] = {
     "checkpoint.every_steps": at_least(0),
     "checkpoint.keep": at_least(0),
     "data.source": one_of(SOURCES),
+    "distributed.step_timeout_s": at_least(0),
+    "distributed.compile_timeout_s": at_least(0),
 }
 
 # key -> (does another key's value make it do nothing?, why, and the fix).
@@ -116,6 +118,10 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                                "it is used only with distributed.num_processes > 1"),
     "distributed.coordinator_address": (lambda c, sizes: c.distributed.num_processes in (0, 1),
                                         "it is used only with distributed.num_processes > 1"),
+    **{f"distributed.{name}": (lambda c, sizes: c.distributed.num_processes == 1,
+                               "a job of one process has no peers to wait for; it is used only "
+                               "with distributed.num_processes > 1 (or 0)")
+       for name in ("step_timeout_s", "compile_timeout_s")},
     "attention.sequence_strategy": (lambda c, sizes: sizes and sizes["sequence"] == 1,
                                     "mesh.sequence is 1, so no sequence strategy runs; "
                                     "set config.mesh.sequence > 1"),

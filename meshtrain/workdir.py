@@ -8,6 +8,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from meshtrain.checkpoint import damage_reason
 from meshtrain.config import get_config
 from meshtrain.errors import ConfigError
 
@@ -32,7 +33,10 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
   if not file.is_file():
     raise ConfigError("--workdir", f"{workdir} has no config.json; give a workdir that "
                       "`meshtrain train` or `meshtrain import-hf` wrote")
-  saved = json.loads(file.read_text())
+  try:
+    saved = json.loads(file.read_text())
+  except OSError as error:
+    raise ConfigError("--workdir", f"reading {file} failed ({error.strerror or error})") from None
   # How the run was launched belongs to that launch: a command that reads the
   # run joins a job only when its own flags say so, on as many devices in all.
   launched = saved.pop("distributed", {})
@@ -82,8 +86,25 @@ def _load_part(workdir, step: int, part: str, abstract, shardings):
       restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
           item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
           partial_restore=True))
-  except Exception as error:  # orbax and tensorstore raise many kinds on bad files
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise ConfigError("--workdir", f"checkpoint {step} in {workdir} cannot be read into this "
-                      f"config's model ({reason})") from None
+  except Exception as error:
+    where = f"checkpoint {step} in {workdir}"
+    if (misfit := _misfit(error)) is not None:
+      raise ConfigError("--workdir", f"{where} cannot be read into this config's model "
+                        f"({misfit})") from None
+    if (damage := damage_reason(error)) is not None:
+      raise ConfigError("--workdir", f"{where} cannot be read ({damage}); its files are missing "
+                        "or damaged: give another --step") from None
+    if isinstance(error, OSError):
+      raise ConfigError("--workdir", f"reading {where} failed ({error.strerror or error})"
+                        ) from None
+    raise  # not the checkpoint's files nor their fit: out of memory, a bug
   return restored[part]
+
+
+def _misfit(error: Exception) -> str | None:
+  """orbax's words for arrays that do not fit this config's model."""
+  text = str(error).strip()
+  if ((isinstance(error, ValueError) and "is not compatible with the stored shape" in text) or
+      (isinstance(error, TypeError) and text.startswith("Type mismatch at key path"))):
+    return text.splitlines()[0].split(". Truncating")[0]
+  return None

@@ -122,7 +122,7 @@ def pieces(files: Sequence[Path], *, text_field: str, split_blank_lines: bool) -
       for text in _parquet_texts(file, text_field):
         yield from _line_pieces(io.StringIO(text), split_blank_lines=False)
     else:
-      with _open_text(file) as lines:
+      with _reading(file), _open_text(file) as lines:
         yield from _line_pieces(lines, split_blank_lines=split_blank_lines)
 
 
@@ -136,11 +136,18 @@ def check_inputs(files: Sequence[Path], text_field: str) -> None:
       next(_parquet_texts(file, text_field), None)
 
 
-def _open_text(file: Path):
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+  """An input that exists but fails to read (an I/O error, no permission) is
+  one line naming it."""
   try:
-    return open(file, encoding="utf-8", newline="")
+    yield
   except OSError as error:
-    raise ConfigError("--input", f"cannot read {file} ({error.strerror})") from None
+    raise ConfigError("--input", f"reading {file} failed ({error.strerror or error})") from None
+
+
+def _open_text(file: Path):
+  return open(file, encoding="utf-8", newline="")  # inside `_reading(file)`
 
 
 def _line_pieces(lines: Iterable[str], *, split_blank_lines: bool) -> Iterator[Piece]:
@@ -175,7 +182,7 @@ def _line_pieces(lines: Iterable[str], *, split_blank_lines: bool) -> Iterator[P
 
 def _jsonl_records(file: Path) -> Iterator[tuple[int, Any, int]]:
   """Each non-blank line's number, JSON value and size in bytes."""
-  with _open_text(file) as lines:
+  with _reading(file), _open_text(file) as lines:
     try:
       for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -214,15 +221,17 @@ def conversations(files: Sequence[Path]) -> Iterator[chat.Conversation]:
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
-  try:
-    table = pq.ParquetFile(file)
-  except (OSError, pa.ArrowException) as error:
-    raise ConfigError("--input", f"{file} is not a Parquet file ({error})") from None
-  if field not in table.schema_arrow.names:
-    raise ConfigError("--text_field", f"{file} has no column {field!r} (columns: "
-                      f"{', '.join(table.schema_arrow.names)}); set --text_field to the text column")
-  for batch in table.iter_batches(batch_size=1024, columns=[field]):
-    yield from (text for text in batch.column(0).to_pylist() if text)
+  with _reading(file):  # pyarrow's I/O errors are OSErrors, its other errors not
+    try:
+      table = pq.ParquetFile(file)
+    except pa.ArrowException as error:
+      raise ConfigError("--input", f"{file} is not a Parquet file ({error})") from None
+    if field not in table.schema_arrow.names:
+      raise ConfigError("--text_field", f"{file} has no column {field!r} (columns: "
+                        f"{', '.join(table.schema_arrow.names)}); set --text_field to the text "
+                        "column")
+    for batch in table.iter_batches(batch_size=1024, columns=[field]):
+      yield from (text for text in batch.column(0).to_pylist() if text)
 
 
 def _batches(stream: Iterable[Item], size_of: Callable[[Item], int]) -> Iterator[list[Item]]:
@@ -256,32 +265,50 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_forma
   if not 0 <= val_fraction < 1:
     raise ConfigError("--val_fraction", f"is {val_fraction}; use a share in [0, 1)")
   files = input_files(inputs)
-  total_bytes = sum(f.stat().st_size for f in files)
+  total_bytes = sum(_size(f) for f in files)
   corpus = (_chat_corpus(files, tokenizer_spec) if input_format == "chat" else
             _text_corpus(files, tokenizer_spec, total_bytes, text_field=text_field,
                          split_blank_lines=split_blank_lines))
   tokenizer = corpus.tokenizer
-  created = _first_missing(out_dir.absolute().parent)
-  out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
-  partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.absolute().parent))
-  partial.chmod(0o755)  # mkdtemp makes it private
+  created, partial = _first_missing(out_dir.absolute().parent), None
   try:
-    counts = _write_tokens(corpus, partial, total_bytes)
-    if not counts["documents"]:
-      raise ConfigError("--input", f"{' '.join(inputs)} holds no text")
-    split = _split(partial / DOCUMENTS_FILE, counts["tokens"], val_fraction)
-    meta = {"format": FORMAT_VERSION, "tokenizer": tokenizer.spec, "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
-            "dtype": token_dtype(tokenizer.vocab_size).name, **counts, "split": split,
-            "inputs": [str(f) for f in files], "input_format": input_format,
-            "loss_mask": corpus.loss_mask, **corpus.meta, "tokenizer_source": tokenizer_spec}
-    tokenizer.save(partial)
-    (partial / tk.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    partial.rename(out_dir)
+    with _writing(out):  # an input that fails to read says so itself (`_reading`)
+      out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
+      partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-",
+                                      dir=out_dir.absolute().parent))
+      partial.chmod(0o755)  # mkdtemp makes it private
+      counts = _write_tokens(corpus, partial, total_bytes)
+      if not counts["documents"]:
+        raise ConfigError("--input", f"{' '.join(inputs)} holds no text")
+      split = _split(partial / DOCUMENTS_FILE, counts["tokens"], val_fraction)
+      meta = {"format": FORMAT_VERSION, "tokenizer": tokenizer.spec,
+              "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+              "bos_id": tokenizer.bos_id, "dtype": token_dtype(tokenizer.vocab_size).name,
+              **counts, "split": split, "inputs": [str(f) for f in files],
+              "input_format": input_format, "loss_mask": corpus.loss_mask, **corpus.meta,
+              "tokenizer_source": tokenizer_spec}
+      tokenizer.save(partial)
+      (partial / tk.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+      partial.rename(out_dir)
   except BaseException:
-    shutil.rmtree(created or partial, ignore_errors=True)
+    if created or partial:
+      shutil.rmtree(created or partial, ignore_errors=True)
     raise
   return meta
+
+
+@contextlib.contextmanager
+def _writing(out: str) -> Iterator[None]:
+  """Writing the corpus that fails (a full disk, no permission) is one line naming `--out`."""
+  try:
+    yield
+  except OSError as error:
+    raise ConfigError("--out", f"writing {out} failed ({error.strerror or error})") from None
+
+
+def _size(file: Path) -> int:
+  with _reading(file):
+    return file.stat().st_size
 
 
 class _Corpus(NamedTuple):

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from meshtrain import rules as r
+from meshtrain import distributed, rules as r
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
@@ -26,6 +26,7 @@ from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
 from meshtrain.train.setup import padded_vocab as rounded_vocab
+from meshtrain.train.watchdog import watchdog_for
 
 
 def describe(setup: Setup) -> str:
@@ -78,9 +79,10 @@ def _halt(cfg, state, checkpoints, batches) -> None:
       "config.optimizer.learning_rate or set config.nan_policy=skip, then rerun to resume")
 
 
-def _stop_preempted(cfg, state, checkpoints, batches, step: int, why: str) -> None:
-  checkpoints.save(step, state, batches, cfg)
-  checkpoints.wait()
+def _stop_preempted(cfg, state, checkpoints, batches, step: int, why: str, watchdog) -> None:
+  with watchdog.phase(f"saving checkpoint {step}", step):
+    checkpoints.save(step, state, batches, cfg)
+    checkpoints.wait()
   if jax.process_index() == 0:
     print(f"\n{why}: stopped after step {step}, checkpoint in "
           f"{checkpoints.directory / str(step)}; run the same command to resume", flush=True)
@@ -93,7 +95,23 @@ def train(cfg) -> list[dict]:
   happens, in this order: a checkpoint (`checkpoints.due`), an evaluation
   (`evaluator.due`), a log record (every `log_every`, the first and last
   steps, and with an evaluation: the only host sync), a stop on a
-  non-finite step (`nan_policy=stop`) or on a preemption signal."""
+  non-finite step (`nan_policy=stop`) or on a preemption signal.
+
+  With several processes a watchdog (`meshtrain.train.watchdog`) ends the
+  process in one line (exit 4) when a peer is lost or something hangs; it
+  also waits for each step before the next one is dispatched, one behind."""
+  watchdog = watchdog_for(cfg, distributed.client(), jax.process_index(), jax.process_count())
+  watchdog.expect("setting up", 0, watchdog.allowance(compiles=True))
+  try:
+    return _train(cfg, watchdog)
+  except jax.errors.JaxRuntimeError:  # a collective that failed as its peer went away?
+    watchdog.await_verdict()  # a lost peer ends the process here in one line
+    raise
+  finally:
+    watchdog.close()
+
+
+def _train(cfg, watchdog) -> list[dict]:
   cfg = padded_vocab(cfg)
   setup = build(cfg)
   evaluator = evaluator_for(cfg, setup)
@@ -114,13 +132,18 @@ def train(cfg) -> list[dict]:
   records = []
   bar = tqdm(initial=first - 1, total=cfg.steps, desc="train", unit="step",
              disable=jax.process_index() != 0)
+  watchdog.expect(f"step {first}", first, watchdog.allowance(compiles=True))
   try:
     with PreemptionRequest() as preemption:
       for step in range(first, cfg.steps + 1):
+        watchdog.inject_fault(step)
         state, metrics = setup.train_step(state, to_global(next(batches), sharding, batch_shape))
+        watchdog.dispatched(step, metrics)
         bar.update(1)
         if checkpoints.due(step):
-          checkpoints.save(step, state, batches, cfg)
+          with watchdog.phase(f"saving checkpoint {step}", step,  # waits for the step
+                              watchdog.allowance(compiles=step == first)):
+            checkpoints.save(step, state, batches, cfg)
         evaluating = evaluator is not None and evaluator.due(step)
         logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
         preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
@@ -129,7 +152,9 @@ def train(cfg) -> list[dict]:
         record = {"step": step, **{k: v.item() for k, v in jax.device_get(metrics).items()},
                   **throughput.record(step)}
         if evaluating:
-          record.update(evaluator(state.params, state.model_state))
+          with watchdog.phase(f"evaluation at step {step}", step, watchdog.allowance(
+              compiles=step == first, kind="evaluation", scale=cfg.eval.batches)):
+            record.update(evaluator(state.params, state.model_state))
         writer.write(record)
         records.append(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}",
@@ -139,11 +164,13 @@ def train(cfg) -> list[dict]:
         if record["nonfinite_steps"] and cfg.nan_policy == "stop":
           _halt(cfg, state, checkpoints, batches)
         if preempted:
-          _stop_preempted(cfg, state, checkpoints, batches, step, preempted)
+          _stop_preempted(cfg, state, checkpoints, batches, step, preempted, watchdog)
           return records
-      checkpoints.save(int(state.step), state, batches, cfg)
+      with watchdog.phase(f"saving checkpoint {int(state.step)}", int(state.step)):
+        checkpoints.save(int(state.step), state, batches, cfg)
   finally:
     bar.close()
     writer.close()
-    checkpoints.close()  # waits for the saves in flight
+    with watchdog.phase("saving the last checkpoints", cfg.steps):
+      checkpoints.close()  # waits for the saves in flight
   return records
