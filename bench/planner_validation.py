@@ -31,25 +31,32 @@ def main():
   seconds = time.process_time() - start
   rows, table = [], [
       "| run | devices | published mesh | rank (of fitting) | published TFLOP/s | "
-      "predicted | predicted / published | planner's first choice | its prediction |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      "predicted | predicted / published | planner's first choice | its prediction | "
+      "first choice faster by |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
   for run in published.RUNS:
     start = time.process_time()
     check = search.check_published(run)
     first = check["first"]
-    rows.append({"run": run.name, "rank": check["rank"], "fitting": check["fitting"],
-                 "published_tflops": check["published_tflops"],
+    rows.append({"run": run.name, "rank": check["rank"], "tied": check["tied"],
+                 "fitting": check["fitting"], "published_tflops": check["published_tflops"],
                  "predicted_tflops": check["predicted_tflops"],
+                 "first_speedup": check["first_speedup"],
                  "first": first.as_dict() if first else None,
                  "search_cpu_s": time.process_time() - start})
     choice = (f"{mesh_text(first.candidate.sizes)}, remat {first.candidate.remat}"
               if first else "nothing fits")
-    rank = f"{check['rank']} of {check['fitting']}" if check["rank"] else f"- ({run.note or 'does not fit'})"
+    if check["rank"] is None:
+      rank = "- (does not fit)"
+    else:
+      rank = f"{check['rank']} of {check['fitting']}" + (
+          f", tied with {check['tied']}" if check["tied"] else "")
     table.append(
         f"| {run.name} | {run.devices:,} {run.cluster} | {mesh_text(dict(run.mesh))}, remat "
         f"{run.remat} | {rank} | {check['published_tflops']:.0f} | "
-        f"{check['predicted_tflops']:.0f} | {check['predicted_tflops'] / check['published_tflops']:.2f} | "
-        f"{choice} | {check['first_tflops'] or 0:.0f} |")
+        f"{check['predicted_tflops']:.0f} | "
+        f"{check['predicted_tflops'] / check['published_tflops']:.2f} | "
+        f"{choice} | {check['first_tflops'] or 0:.0f} | {check['first_speedup'] or 0:.2f}x |")
     print(table[-1], flush=True)
   rows.append({"run": "llama_70b search on 1,024 h100", "fitting": fitting, "search_cpu_s": seconds})
   table.append(f"\nSearching configs/llama_70b.py on 1,024 h100 ({fitting} configurations fit) "

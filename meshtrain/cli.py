@@ -56,6 +56,9 @@ _GLOBAL_BATCH = flags.DEFINE_integer("global_batch", None, "plan --search: seque
                                      "(default: the config's)")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "plan --search: tokens per sequence "
                                 "(default: the config's)")
+_MESH = flags.DEFINE_string("mesh", None, "plan --search: explain one layout, e.g. "
+                            "data=64,pipeline=16,tensor=8: its prediction, rank and what the "
+                            "first choice does differently")
 _STAGES = flags.DEFINE_integer("stages", 4, "schedule: pipeline stages")
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "schedule: microbatches per step")
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "schedule: which one")
@@ -190,11 +193,16 @@ def _search(cfg) -> None:
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
   cluster = clusters.load(_CLUSTER.value)
+  if _MESH.value is not None:
+    print(search.explain(cfg, _DEVICES.value, cluster,
+                         search.parse_mesh(_MESH.value, _DEVICES.value))["text"])
+    return
   config_arg = f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}"
   results, fitting, _ = search.search(cfg, _DEVICES.value, cluster, _TOP.value)
   if _JSON.value:
     print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": _DEVICES.value,
-                      "fitting": fitting, "achievable": search.ACHIEVABLE,
+                      "fitting": fitting,
+                      "kernel_efficiency": search.calibration.KERNEL_EFFICIENCY,
                       "results": [e.as_dict(config_arg) for e in results]}, indent=2))
   elif not results:
     print(f"nothing fits: no mesh of {_DEVICES.value} x {cluster.name} holds this model at "

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from conftest import REPO, micro_config
-from meshtrain.analysis import clusters, published, search
+from meshtrain.analysis import calibration, clusters, costs, published, search
 from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
+from meshtrain.errors import ConfigError
 from meshtrain.train.setup import sharding_rules
 
 
@@ -71,17 +72,97 @@ def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
     assert (dispatch > 0) == any(c.sizes[a] > 1 for a in axes)
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(run, id=run.name, marks=() if i == 0 else pytest.mark.slow)
-    for i, run in enumerate(published.RUNS)])
+# Rows the planner does not meet yet, each with why (docs/planner.md): strict,
+# so a row that starts to pass must leave this list.
+MISSES = {
+    "Llama 3 405B, 8,192 GPUs": "the first choice is predicted 1.37x faster",
+    "Llama 3 405B, 16,384 GPUs": "the first choice is predicted 1.39x faster",
+    "Llama 3 405B, 16,384 GPUs, 131K context": "predicted at 1.24x the published TFLOP/s",
+    "Megatron-LM GPT 145.6B": "the first choice is predicted 1.79x faster",
+    "Megatron-LM GPT 1T": "the first choice is predicted 1.56x faster",
+    "torchtitan Llama 3.1 8B, compiled": "predicted at 1.24x (a 500 W power limit)",
+}
+
+
+def published_case(run, quick: bool):
+  marks = [] if quick else [pytest.mark.slow]
+  if run.name in MISSES:
+    marks.append(pytest.mark.xfail(strict=True, reason=MISSES[run.name]))
+  return pytest.param(run, id=run.name, marks=marks)
+
+
+@pytest.mark.parametrize("run", [published_case(run, run.name == "MaxText Llama2-7B")
+                                 for run in published.RUNS])
 def test_published_runs(run):
   """docs/planner.md: the predicted TFLOP/s per device of the published
-  configuration is within 25% of the published figure; on up to 256 devices the published mesh ranks in the top 5 or
-  its note says why not (bench/planner_validation.py ranks the large ones)."""
-  check = search.check_published(run, rank=run.devices <= 256)
-  if run.devices <= 256:
-    assert check["rank"] is not None and check["rank"] <= 5 or run.note, check["rank"]
-  assert check["predicted_tflops"] == pytest.approx(check["published_tflops"], rel=0.25)
+  layout is within 20% of the published figure, and on 1,000 devices and
+  more the planner's first choice is predicted at most 10% faster than the
+  layout the team ran. No row is exempt (MISSES names the open ones)."""
+  check = search.check_published(run, rank=run.devices >= 1000)
+  assert check["predicted_tflops"] == pytest.approx(check["published_tflops"], rel=0.20)
+  if run.devices >= 1000:
+    assert check["first_speedup"] <= 1.10, (check["first"].candidate, check["first_speedup"])
+
+
+def test_calibration_and_validation_rows_never_meet():
+  """The fitted number comes from `published.CALIBRATION` alone, as
+  bench/calibrate_planner.py wrote it."""
+  validation = {run.name for run in published.RUNS}
+  assert set(calibration.FITTED_ON) == {run.name for run in published.CALIBRATION}
+  assert not set(calibration.FITTED_ON) & validation
+  assert 0.2 < calibration.KERNEL_EFFICIENCY < 1 and calibration.ELEMENTWISE_PASSES >= 0
+
+
+def test_collectives_pay_latency_per_hop_and_bandwidth_below_line_rate():
+  # 8-way ring all-gather of 7 MB per device in all, 3 times, over 100 GB/s
+  # at 80%, 7 hops of 2 us each time: 7e6 / 80e9 + 3 * 7 * 2e-6.
+  seconds = costs.collective_seconds("all-gather", 8, 7e6, 3, 100e9, 2e-6)
+  assert seconds == pytest.approx(7e6 / 80e9 + 42e-6)
+  assert costs.hops("all-reduce", 8) == 6        # tree: 2 log2 8 beats the ring's 14
+  assert costs.hops("all-reduce", 2) == 2        # ring and tree alike
+  assert costs.hops("collective-permute", 64) == 1
+  assert costs.hops("all-to-all", 4) == 3
+
+
+def test_small_per_device_matmuls_are_memory_bound():
+  # [4096, 8192] x [8192, 8192] in bf16: 5.5e11 FLOPs at 0.5 x 1e15 take
+  # 1.1 ms; its 0.27 GB take 0.08 ms at 3.35 TB/s: compute-bound. Split 64
+  # ways on n and with 16 tokens ([16, 8192] x [8192, 128]): memory-bound.
+  big = costs.gemm_seconds(4096, 8192, 8192, 1e15, 3.35e12, 0.5)
+  assert big == pytest.approx(2 * 4096 * 8192 * 8192 / 5e14)
+  small = costs.gemm_seconds(16, 8192, 128, 1e15, 3.35e12, 0.5)
+  assert small == pytest.approx(2 * (16 * 8192 + 8192 * 128 + 16 * 128) / 3.35e12)
+
+
+def test_layer_traffic_hides_behind_each_layers_compute_but_one():
+  # 10 layers, 10 ms of traffic and 20 ms of compute: 1 ms a layer against 2,
+  # only the first layer's shows; with 30 ms, 3 against 2: 3 + 9 x 1.
+  assert costs.exposed_behind_layers(10e-3, 20e-3, 10) == pytest.approx(1e-3)
+  assert costs.exposed_behind_layers(30e-3, 20e-3, 10) == pytest.approx(3e-3 + 9e-3)
+  assert costs.exposed_behind_layers(0.0, 20e-3, 10) == 0
+
+
+def test_the_bubble_is_the_idle_share_of_meshtrains_lockstep_table():
+  """1F1B on 4 stages and 8 microbatches: 96 ticks' worth of ops in 30 ticks
+  of 4 stages is 20% idle (B sends on before W, below the fused formula's
+  3/11); ZB-H1 fills W into the cool-down: 1/9."""
+  assert costs.lockstep_bubble("1f1b", 4, 8) == pytest.approx(0.2)
+  assert costs.lockstep_bubble("zb_h1", 4, 8) == pytest.approx(1 / 9)
+
+
+def test_explain_gives_any_layouts_prediction_rank_and_the_difference():
+  cfg = load(REPO / "configs" / "llama_1b.py")
+  cluster = clusters.PRESETS["h100"]
+  sizes = search.parse_mesh("data=8,tensor=8", 64)
+  report = search.explain(cfg, 64, cluster, sizes)
+  assert report["fits"] and report["rank"] > 1
+  assert report["yours"].candidate.sizes == sizes
+  assert "your layout: data=8 x tensor=8" in report["text"]
+  assert "first choice:" in report["text"] and "x faster predicted" in report["text"]
+  with pytest.raises(ConfigError, match="--mesh"):
+    search.parse_mesh("data=8,tensr=8", 64)
+  with pytest.raises(ConfigError, match="makes 32 devices"):
+    search.parse_mesh("data=4,tensor=8", 64)
 
 
 def plan(*args):

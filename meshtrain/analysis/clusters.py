@@ -25,29 +25,34 @@ class Cluster:
   devices_per_host: int
   usable_memory: float = 0.9  # share of HBM a step may plan for (allocator, runtime, fragmentation)
   flash_attention: bool = True  # attention keeps no [length, length] scores (cuDNN's on NVIDIA GPUs)
+  memory_bandwidth: float = 0.0  # HBM bytes/s of one device (0: matmuls never memory-bound)
 
 
 PRESETS = {
+    # Memory bandwidths from the same datasheets: H100 SXM5 3.35 TB/s, H200
+    # 4.8 TB/s, A100 80GB SXM 2,039 GB/s, B200 8 TB/s, TPU v5p 2,765 GB/s.
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4
     # 900 GB/s bidirectional (450 per direction); DGX H100: 8 GPUs and 8
     # ConnectX-7 400 Gb/s NICs (50 GB/s per GPU).
-    "h100": Cluster("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 8),
+    "h100": Cluster("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB),
     # NVIDIA H200 SXM datasheet: same compute and NVLink as the H100, 141 GB
     # HBM3e; HGX H200 with one 400 Gb/s NIC per GPU.
-    "h200": Cluster("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 8),
+    "h200": Cluster("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=4800 * GB),
     # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e, NVLink 3
     # 600 GB/s bidirectional; DGX A100 (Selene, Megatron-LM's runs): 8 GPUs
     # and 8 HDR 200 Gb/s NICs (25 GB/s per GPU).
-    "a100_80gb": Cluster("a100_80gb", 312e12, 80 * GB, 300 * GB, 25 * GB, 8),
+    "a100_80gb": Cluster("a100_80gb", 312e12, 80 * GB, 300 * GB, 25 * GB, 8,
+                         memory_bandwidth=2039 * GB),
     # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense training over 8 GPUs, so
     # 4.5 FP8 and 2.25 PFLOP/s dense BF16 per GPU; 1,440 GB HBM3e (180 GB per
     # GPU); NVLink 5 1.8 TB/s bidirectional; 8 ConnectX-7 400 Gb/s NICs.
-    "b200": Cluster("b200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8),
+    "b200": Cluster("b200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8, memory_bandwidth=8000 * GB),
     # Google Cloud TPU v5p documentation: 459 TFLOP/s BF16, 95 GB HBM2e, ICI
     # 4,800 Gbps per chip over 6 links of a 3D torus (100 GB/s per link and
     # direction; a ring along one torus axis uses 2 links), 4 chips per host.
     # Inside a slice the hosts are joined by the same ICI.
-    "tpu_v5p": Cluster("tpu_v5p", 459e12, 95 * GB, 200 * GB, 200 * GB, 4, flash_attention=False),
+    "tpu_v5p": Cluster("tpu_v5p", 459e12, 95 * GB, 200 * GB, 200 * GB, 4, flash_attention=False,
+                       memory_bandwidth=2765 * GB),
 }
 
 

@@ -1,25 +1,31 @@
-"""`meshtrain plan --search`: the mesh, ZeRO stage, recomputation and
-microbatches for a model on a cluster, ranked by a predicted step time.
+"""`meshtrain plan --search`: the mesh, ZeRO stage, recomputation, schedule
+and microbatches for a model on a cluster, ranked by a predicted step time.
 
-Step-time model (per step, one device; all devices do equal work):
+Step-time model (per step, one device; all devices do equal work; the parts
+are `meshtrain.analysis.costs`):
 
-  compute   hardware FLOPs / devices / (peak x ACHIEVABLE): the model's FLOPs
-            (`meshtrain.models.flops`, PaLM's count) plus what recomputation
-            adds (a layer forward under remat=full or in a pipeline backward,
-            the attention core under selective).
-  comms     each collective of `meshtrain.analysis.plan.analytic`, its bytes
-            over the bandwidth of the link class its mesh axes cross: an axis
-            crosses hosts when it and the axes inside it (`meshtrain.mesh.AXES`,
-            tensor innermost) hold more devices than a host.
-  overlap   collectives over the batch axes (data, fsdp: weight all-gathers
-            prefetched under the previous layer, gradient reductions under the
-            backward) hide under compute; only what exceeds it shows.
-            Tensor, sequence and pipeline traffic is exposed.
-  bubble    a pipeline idles (p-1)/(v·m+p-1) of the step: the busy time
-            stretched by 1/(1 - bubble).
+  compute   hardware FLOPs / devices / (peak x KERNEL_EFFICIENCY), the one
+            fitted number (`meshtrain.analysis.calibration`): the model's
+            FLOPs (`meshtrain.models.flops`, PaLM's count) plus what
+            recomputation adds (a layer forward under remat=full, the
+            attention core under selective); plus what each weight matmul
+            on its per-device shape loses to memory bandwidth (roofline).
+  comms     each collective of `meshtrain.analysis.plan.analytic` by latency
+            per hop and bandwidth of the link class its mesh axes cross: an
+            axis crosses hosts when it and the axes inside it
+            (`meshtrain.mesh.AXES`, tensor innermost) hold more devices than
+            a host.
+  overlap   traffic over the batch axes (data, fsdp: weight gathers and
+            gradient reductions, issued layer by layer) hides behind each
+            layer's compute, one layer's worth always exposed; tensor,
+            sequence, pipeline and all-to-all traffic is exposed.
+  bubble    the idle share of meshtrain's lock-step schedule table: busy
+            time stretched by 1/(1 - bubble).
 
 Memory is `plan`'s: state from the rules, activations from the residuals the
-model saves (traced once per kind of layout and scaled: `_ActivationModel`).
+model saves (traced once per kind of layout and scaled: `_ActivationModel`),
+and two layers of gathered weights where the batch axes split them (the
+layer running and the one prefetched).
 """
 
 import dataclasses
@@ -34,21 +40,15 @@ import ml_collections
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import clusters, plan as plan_lib, residuals
+from meshtrain.analysis import calibration, clusters, costs, plan as plan_lib, residuals
 from meshtrain.models import flops
 from meshtrain.parallel import experts
 from meshtrain.analysis.clusters import Cluster
+from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
-from meshtrain.parallel.pipeline import measures
 from meshtrain.train import setup as setup_lib
 from meshtrain.train.parallelize import llama_spec, model_config, slots
 
-# Share of peak FLOP/s a bf16 transformer step sustains in its kernels (matmuls,
-# attention, norms and optimizer together), before communication and bubbles.
-# Published runs put it at about half: Megatron-LM's data-parallel 1.7B model
-# computed at 44% of A100 peak with its gradient reduction hidden (Narayanan et
-# al. 2021, Table 1), MaxText's Llama2-7B at 50% of H100 peak.
-ACHIEVABLE = 0.5
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
 
@@ -70,6 +70,7 @@ class Candidate:
   grad_accum_steps: int = 1
   microbatches: int = 1              # pipeline microbatches per step
   virtual_stages: int = 1
+  schedule: str = "1f1b"             # with a pipeline: 1f1b, zb_h1, interleaved_1f1b
   tensor_sequence_parallel: bool = False
   expert_parallel: str | None = None  # MoE: config.expert_parallel (None: the config's)
 
@@ -87,7 +88,7 @@ class Candidate:
       cfg.expert_parallel = self.expert_parallel
     if self.sizes["pipeline"] > 1:
       cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-                          schedule="interleaved_1f1b" if self.virtual_stages > 1 else "1f1b")
+                          schedule=self.schedule)
     return cfg
 
   def flags(self, across_hosts: list[str]) -> str:
@@ -99,8 +100,7 @@ class Candidate:
     if self.expert_parallel is not None:
       parts.append(f"--config.expert_parallel={shlex.quote(self.expert_parallel)}")
     if self.sizes["pipeline"] > 1:
-      schedule = "interleaved_1f1b" if self.virtual_stages > 1 else "1f1b"
-      parts += [f"--config.pipeline.schedule={schedule}",
+      parts += [f"--config.pipeline.schedule={self.schedule}",
                 f"--config.pipeline.microbatches={self.microbatches}",
                 f"--config.pipeline.virtual_stages={self.virtual_stages}"]
     if across_hosts:
@@ -198,8 +198,10 @@ class Estimate:
 class StepModel:
   """Predicted step time and memory of a model (a config) on a cluster."""
 
-  def __init__(self, cfg, cluster: Cluster, achievable: float = ACHIEVABLE):
-    self.cfg, self.cluster, self.achievable = cfg, cluster, achievable
+  def __init__(self, cfg, cluster: Cluster, efficiency: float = calibration.KERNEL_EFFICIENCY,
+               elementwise: float = calibration.ELEMENTWISE_PASSES):
+    self.cfg, self.cluster = cfg, cluster
+    self.efficiency, self.elementwise = efficiency, elementwise
     self.model_cfg = model_config(cfg)
     self.spec = llama_spec(self.model_cfg)
     m = cfg.model
@@ -211,13 +213,62 @@ class StepModel:
         x.size * (routed if getattr(path[-1], "key", "") in flops.ROUTED else 1.0)
         for path, x in jax.tree_util.tree_leaves_with_path(self.spec.abstract_params["layers"])
         if x.ndim > 2)
+    self.layer_weights = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
+                             ) / m.num_layers  # one layer's, all experts
     self.layer_forward = 2 * layer_params + 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.attention_forward = 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.activations = _ActivationModel(cfg, cluster.flash_attention)
+    self._reports: dict[Candidate, dict] = {}
 
   def recompute_per_token(self, c: Candidate) -> float:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
+
+  def layer_gemms(self, c: Candidate, tokens: float) -> list[tuple[float, float, float]]:
+    """One layer's weight matmuls on one device, [m, k] x [k, n], for
+    `tokens` tokens of one microbatch there: split by `tensor` (kv heads
+    whole where it does not divide them); routed experts as the tokens
+    each local expert receives."""
+    m, t = self.cfg.model, c.sizes["tensor"]
+    kv = m.num_kv_heads / t if m.num_kv_heads % t == 0 else m.num_kv_heads
+    d, h = m.embed_dim, m.head_dim
+    gemms = [(tokens, d, (m.num_heads / t + 2 * kv) * h), (tokens, m.num_heads / t * h, d)]
+    moe = self.model_cfg.moe
+    if not moe.num_experts:
+      return gemms + [(tokens, d, 2 * m.mlp_dim / t), (tokens, m.mlp_dim / t, d)]
+    axes = [a for a in (c.expert_parallel or "").split(",") if a]
+    split = math.prod(c.sizes[a] for a in axes)
+    local = moe.num_experts / split
+    routed = tokens * split * moe.experts_per_token / moe.num_experts  # per local expert
+    width = (moe.mlp_dim or m.mlp_dim) / t
+    gemms += [(routed, d, 2 * width), (routed, width, d)] * int(local)
+    if moe.shared_mlp_dim:
+      gemms += [(tokens, d, 2 * moe.shared_mlp_dim / t), (tokens, moe.shared_mlp_dim / t, d)]
+    return gemms
+
+  def memory_bound_s(self, c: Candidate, cfg) -> float:
+    """Per step on this device, what memory bandwidth adds to the matmuls'
+    FLOPs at the kernel efficiency: what the weight matmuls lose on their
+    per-device shapes (the roofline), and the elementwise work (norms,
+    residual adds, the SwiGLU product, rotary, softmax outside the fused
+    kernel): `elementwise` bf16 passes over each token's activation widths
+    a layer (`costs.elementwise_seconds`), fitted with the efficiency."""
+    sizes, cluster = c.sizes, self.cluster
+    if not cluster.memory_bandwidth:
+      return 0.0
+    microbatches = c.microbatches if sizes["pipeline"] > 1 else c.grad_accum_steps
+    rows = cfg.global_batch / microbatches / (sizes["data"] * sizes["fsdp"])
+    tokens = rows * cfg.seq_len / sizes["sequence"]
+    layers = cfg.model.num_layers / sizes["pipeline"]
+    passes = 3 + (c.remat == "full")  # forward, two backward matmuls each, a recomputed forward
+    gemms = self.layer_gemms(c, tokens)
+    excess = sum(costs.gemm_seconds(*g, cluster.peak_flops, cluster.memory_bandwidth,
+                                    self.efficiency) - 2 * math.prod(g) / (
+                                        cluster.peak_flops * self.efficiency) for g in gemms)
+    widths = sum(n for _, _, n in gemms)  # the activations the layer's matmuls write
+    elementwise = costs.elementwise_seconds(tokens, widths, self.elementwise,
+                                            cluster.memory_bandwidth)
+    return (excess + elementwise) * passes * layers * microbatches
 
   def activation_and_backward_bytes(self, cfg, c: Candidate) -> tuple[int, int]:
     """`plan.activation_bytes` and `plan.backward_bytes`, from the scaled traces."""
@@ -237,40 +288,69 @@ class StepModel:
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1)[0]
     return int(inputs + residual_slots * saved + head_slots * head), int(backward)
 
+  def buffer_bytes(self, cfg, c: Candidate) -> int:
+    """Two layers of gathered working weights (the one running and the one
+    prefetched) where the batch axes split the weights for storage."""
+    sizes = c.sizes
+    gathered = sizes["fsdp"] > 1 or (c.zero_stage >= 3 and sizes["data"] > 1)
+    if not gathered:
+      return 0
+    return int(2 * self.layer_weights * jnp.dtype(cfg.param_dtype).itemsize / sizes["tensor"])
+
+  def memory(self, cfg, c: Candidate, state: dict) -> dict:
+    """Per-device bytes: the state's, activations, backward and buffers."""
+    activations, backward = self.activation_and_backward_bytes(cfg, c)
+    memory = dict(state, activations=activations, backward=backward,
+                  buffers=self.buffer_bytes(cfg, c))
+    memory["total"] = sum(v for k, v in memory.items() if k not in ("total", "host"))
+    return memory
+
   def analytic(self, cfg, c: Candidate) -> dict:
-    """`plan.analytic` (state bytes and collectives) without the activations."""
-    mesh = _abstract_mesh(c.sizes)
-    return plan_lib.analytic(cfg, self.spec, setup_lib.sharding_rules(cfg, mesh), mesh,
-                             activations=0)
+    """`plan.analytic` (state bytes and collectives) without the activations,
+    once per candidate."""
+    if c not in self._reports:
+      mesh = _abstract_mesh(c.sizes)
+      self._reports[c] = plan_lib.analytic(cfg, self.spec, setup_lib.sharding_rules(cfg, mesh),
+                                           mesh, activations=0)
+    return self._reports[c]
+
+  def collective_s(self, coll: dict, sizes: dict, crossing: list[str]) -> float:
+    axes = coll["axis"].split("+")
+    inter = bool(set(axes) & set(crossing))
+    return costs.collective_seconds(
+        coll["kind"], math.prod(sizes[a] for a in axes), coll["bytes"], coll["count"],
+        self.cluster.inter_host if inter else self.cluster.intra_host,
+        costs.HOP_LATENCY["inter" if inter else "intra"])
 
   def estimate(self, c: Candidate, cfg=None, report: dict | None = None) -> Estimate:
     cfg = cfg or c.config(self.cfg)
     report = report or self.analytic(cfg, c)
     cluster, sizes = self.cluster, c.sizes
     devices = math.prod(sizes.values())
-    activations, backward = self.activation_and_backward_bytes(cfg, c)
-    memory = dict(report["memory_bytes"], activations=activations, backward=backward)
-    memory["total"] = sum(v for k, v in memory.items() if k != "total")
+    memory = self.memory(cfg, c, report["memory_bytes"])
     tokens = cfg.global_batch * cfg.seq_len
     model_flops = tokens * self.flops_per_token
     hardware_flops = tokens * (self.flops_per_token + self.recompute_per_token(c))
-    compute = hardware_flops / devices / (cluster.peak_flops * self.achievable)
+    compute = (hardware_flops / devices / (cluster.peak_flops * self.efficiency)
+               + self.memory_bound_s(c, cfg))
     crossing = across_hosts(sizes, cluster)
     by_axis: dict[str, float] = {}
     for coll in report["collectives"]:
-      bandwidth = (cluster.inter_host if set(coll["axis"].split("+")) & set(crossing)
-                   else cluster.intra_host)
       # A layer waits for its tokens' dispatch: an all-to-all hides behind nothing.
       key = coll["axis"] + (" all-to-all" if coll["kind"] == "all-to-all" else "")
-      by_axis[key] = by_axis.get(key, 0.0) + coll["bytes"] / bandwidth
+      by_axis[key] = by_axis.get(key, 0.0) + self.collective_s(coll, sizes, crossing)
     weights = lambda k: set(k.split("+")) <= set(BATCH_AXES)  # noqa: E731 (gathers, gradients)
-    hidden = sum(v for k, v in by_axis.items() if weights(k))
     exposed = {k: v for k, v in by_axis.items() if not weights(k)}
-    if hidden > compute:
-      exposed["data+fsdp (beyond compute)"] = hidden - compute
+    batch_traffic = sum(v for k, v in by_axis.items() if weights(k))
+    layer_slots = (cfg.model.num_layers // sizes["pipeline"]) * max(
+        c.grad_accum_steps, c.microbatches if sizes["pipeline"] > 1 else 1)
+    if batch_traffic:
+      exposed["data+fsdp (not hidden)"] = costs.exposed_behind_layers(batch_traffic, compute,
+                                                                       layer_slots)
     bubble = 0.0
     if sizes["pipeline"] > 1:
-      share = measures.ideal_bubble_fraction(sizes["pipeline"], c.microbatches, c.virtual_stages)
+      share = costs.lockstep_bubble(c.schedule, sizes["pipeline"], c.microbatches,
+                                    c.virtual_stages)
       bubble = (compute + sum(exposed.values())) * share / (1 - share)
     step = compute + sum(exposed.values()) + bubble
     return Estimate(
@@ -283,10 +363,11 @@ class StepModel:
     return memory_bytes <= self.cluster.hbm_bytes * self.cluster.usable_memory
 
 
-def meshtrain_runs(cfg, c: Candidate) -> str:
-  """'' if meshtrain runs the candidate, else why not (its validation's message)."""
+def meshtrain_runs(cfg, c: Candidate, cfg_c=None) -> str:
+  """'' if meshtrain runs the candidate (`cfg_c`: its config, if made
+  already), else why not (its validation's message)."""
   try:
-    setup_lib.validate(c.config(cfg), _abstract_mesh(c.sizes))
+    setup_lib.validate(cfg_c or c.config(cfg), _abstract_mesh(c.sizes))
   except ValueError as error:
     return str(error)
   return ""
@@ -308,29 +389,47 @@ def expert_layouts(cfg, sizes: dict) -> list[str | None]:
                 if moe.num_experts % math.prod(sizes[a] for a in s) == 0)]
 
 
-def candidates(cfg, devices: int, cluster: Cluster):
+def microbatch_counts(rows: int, stages: int) -> list[int]:
+  """Pipeline microbatch counts to try for `rows` sequences per replica: p
+  doubling up to 8p as far as the rows divide (the lock-step bubble is then
+  under 1/9 and falls little further while each microbatch shrinks), with
+  one sequence a microbatch (as published pipelines often run) among them
+  where the rows are that few."""
+  counts, count = [], stages
+  while count <= min(rows, 8 * stages) and rows % count == 0:
+    counts.append(count)
+    count *= 2
+  return counts + ([rows] if stages <= rows <= 8 * stages and rows not in counts else [])
+
+
+def candidates(cfg, devices: int, cluster: Cluster, only: dict | None = None):
   """Every mesh, schedule, accumulation and expert layout to try for the model
-  on `devices` (`search` keeps those meshtrain runs); ZeRO-1 whenever `data` > 1
-  splits the weights (it moves what DDP moves and holds less), sequence
-  parallelism whenever `tensor` > 1."""
+  on `devices` (`search` keeps those meshtrain runs), or on the mesh `only`;
+  ZeRO-1 whenever `data` > 1 splits the weights (it moves what DDP moves and
+  holds less), sequence parallelism whenever `tensor` > 1."""
+  def skip(axis: str, size: int) -> bool:
+    return only is not None and only[axis] != size
+
   m = cfg.model
   ring = cfg.attention.sequence_strategy == "ring"  # does not compose with pipeline
   # The layers a pipeline splits (a MoE model's leading dense ones run before them).
   staged = m.num_layers - (m.moe.first_dense_layers if m.moe.num_experts else 0)
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
-    if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor:
+    if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor or skip("tensor",
+                                                                                 tensor):
       continue
     for sequence in _divisors(devices // tensor):
-      if cfg.seq_len % (sequence * tensor):
+      if cfg.seq_len % (sequence * tensor) or skip("sequence", sequence):
         continue
       rest = devices // tensor // sequence
       for pipeline in _divisors(rest):
-        if staged % pipeline or (pipeline > 1 and sequence > 1 and ring):
+        if staged % pipeline or (pipeline > 1 and sequence > 1 and ring) or skip("pipeline",
+                                                                                 pipeline):
           continue
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp
           replicas = data * fsdp
-          if cfg.global_batch % replicas or m.embed_dim % fsdp:
+          if cfg.global_batch % replicas or m.embed_dim % fsdp or skip("fsdp", fsdp):
             continue
           mesh = (("data", data), ("pipeline", pipeline), ("fsdp", fsdp),
                   ("sequence", sequence), ("tensor", tensor))
@@ -343,105 +442,181 @@ def candidates(cfg, devices: int, cluster: Cluster):
               for accum in (a for a in (1, 2, 4, 8) if rows % a == 0):
                 yield Candidate(**base, grad_accum_steps=accum)
               continue
-            for chunks in (1, 2, 4):
-              if staged % (pipeline * chunks):
-                continue
-              # Up to 4p microbatches: the bubble is then under 1/(4v+1), and
-              # more only shrink each microbatch.
-              for micro in (k * pipeline for k in (1, 2, 4)):
-                if rows % micro == 0:
-                  yield Candidate(**base, microbatches=micro, virtual_stages=chunks)
+            for micro in microbatch_counts(rows, pipeline):
+              for schedule in ("1f1b", "zb_h1"):
+                yield Candidate(**base, microbatches=micro, schedule=schedule)
+              for chunks in (2, 4):
+                if staged % (pipeline * chunks) == 0 and micro % pipeline == 0:
+                  yield Candidate(**base, microbatches=micro, virtual_stages=chunks,
+                                  schedule="interleaved_1f1b")
 
 
 def search(cfg, devices: int, cluster: Cluster, top: int = 5,
-           achievable: float = ACHIEVABLE) -> tuple[list[Estimate], int, StepModel]:
+           efficiency: float = calibration.KERNEL_EFFICIENCY,
+           elementwise: float = calibration.ELEMENTWISE_PASSES
+           ) -> tuple[list[Estimate], int, StepModel]:
   """The `top` fastest candidates that fit, each with its cheapest
   recomputation that fits (recomputation only adds time), and how many fit.
   Of equally fast ones, the one that leaves the most memory free comes first."""
-  model = StepModel(cfg, cluster, achievable)
+  model = StepModel(cfg, cluster, efficiency, elementwise)
   best = []
   for c in candidates(cfg, devices, cluster):
-    if meshtrain_runs(cfg, c):
-      continue
     cfg_c = c.config(cfg)
-    state = model.analytic(cfg_c, c)["memory_bytes"]
-    held = state["params"] + state["grads"] + state["optimizer"]
+    if meshtrain_runs(cfg, c, cfg_c):
+      continue
+    report = model.analytic(cfg_c, c)
     for remat in REMATS:
       chosen = dataclasses.replace(c, remat=remat)
       cfg_c.remat = remat
-      if model.fits(held + sum(model.activation_and_backward_bytes(cfg_c, chosen))):
-        best.append(model.estimate(chosen, cfg_c))
+      if model.fits(model.memory(cfg_c, chosen, report["memory_bytes"])["total"]):
+        best.append(model.estimate(chosen, cfg_c, report))
         break
   best.sort(key=lambda e: (e.step_s, e.memory_bytes["total"]))
   return best[:top], len(best), model
 
 
-def rank_of(results: list[Estimate], sizes: dict) -> int | None:
-  """1-based rank of the fastest candidate on mesh `sizes` among `results`;
-  equally fast candidates share a rank. None where no candidate has it."""
+def rank_of(results: list[Estimate], sizes: dict) -> tuple[int, int] | None:
+  """The rank of the fastest candidate on mesh `sizes` among `results`
+  (1-based), and how many other meshes' candidates tie with it (equal
+  predicted step time to 0.1%). None where no candidate has the mesh."""
   mine = [e.step_s for e in results if e.candidate.sizes == sizes]
-  return 1 + sum(e.step_s < min(mine) for e in results) if mine else None
+  if not mine:
+    return None
+  best = min(mine)
+  faster = {tuple(e.candidate.mesh) for e in results if e.step_s < best * (1 - 1e-3)}
+  tied = {tuple(e.candidate.mesh) for e in results if abs(e.step_s - best) <= best * 1e-3
+          and e.candidate.sizes != sizes}
+  return 1 + len(faster), len(tied)
 
 
-def check_published(run, rank: bool = True) -> dict:
+def as_published(model: StepModel, run, results: list[Estimate] | None = None) -> Estimate:
+  """The prediction for a published run as it ran: its mesh and recomputation,
+  with the fastest schedule, microbatches and ZeRO stage meshtrain runs on
+  that mesh (of `results` where the search kept some, else of every
+  candidate on the mesh, fitting or not)."""
+  sizes = {a: run.mesh.get(a, 1) for a in AXES}
+  on_mesh = [e.candidate for e in results or () if e.candidate.sizes == sizes] or [
+      c for c in candidates(model.cfg, run.devices, model.cluster, only=sizes)
+      if not meshtrain_runs(model.cfg, c)]
+  if not on_mesh:
+    raise ValueError(f"{run.name}: meshtrain cannot run the mesh {sizes}")
+  return min((model.estimate(dataclasses.replace(c, remat=run.remat)) for c in on_mesh),
+             key=lambda e: e.step_s)
+
+
+def check_published(run, rank: bool = True, efficiency: float = calibration.KERNEL_EFFICIENCY,
+                    elementwise: float = calibration.ELEMENTWISE_PASSES) -> dict:
   """A published run (`meshtrain.analysis.published`) through the planner: the
-  rank of its mesh among everything that fits (as meshtrain would run it),
-  the predicted TFLOP/s per device of its configuration as published (its
-  recomputation, counted where the publication counts it), and the planner's
-  own first choice. Without `rank` no search runs (rank, first: None)."""
+  predicted TFLOP/s per device of its configuration as published (its
+  recomputation, counted where the publication counts it), the rank of its
+  mesh among everything that fits (with the meshes tied with it), and the
+  planner's own first choice with how much faster it predicts it. Without
+  `rank` no search runs (rank, first: None)."""
   cfg, cluster = run.config(), clusters.load(run.cluster)
   if rank:
-    results, fitting, model = search(cfg, run.devices, cluster, top=10**9)
-  else:  # only the published configuration's prediction
-    results, fitting, model = [], None, StepModel(cfg, cluster)
-  sizes = {a: run.mesh.get(a, 1) for a in AXES}
-  rank = rank_of(results, sizes)
-  # As the publication ran it: its recomputation, with the fastest schedule and
-  # ZeRO stage meshtrain fits on its mesh (any, where none fits).
-  if rank is None:  # does not fit, or meshtrain does not run it
-    rows = cfg.global_batch // (sizes["data"] * sizes["fsdp"])
-    p, layers = sizes["pipeline"], cfg.model.num_layers
-    schedules_ = [(rows if p > 1 else 1, v) for v in (1, 2, 4)
-                  if layers % (p * v) == 0 and (v == 1 or rows % p == 0)]
-    mine = min((model.estimate(Candidate(tuple(sizes.items()), remat=run.remat,
-                                         microbatches=m, virtual_stages=v,
-                                         tensor_sequence_parallel=sizes["tensor"] > 1))
-                for m, v in schedules_), key=lambda e: e.step_s)
+    results, fitting, model = search(cfg, run.devices, cluster, top=10**9, efficiency=efficiency,
+                                     elementwise=elementwise)
   else:
-    mine = min((model.estimate(dataclasses.replace(e.candidate, remat=run.remat))
-                for e in results if e.candidate.sizes == sizes), key=lambda e: e.step_s)
+    results, fitting, model = [], None, StepModel(cfg, cluster, efficiency, elementwise)
+  mine = as_published(model, run, results)
+  placed = rank_of(results, {a: run.mesh.get(a, 1) for a in AXES})
   published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
   def tflops(e):
     return e.hardware_tflops_per_device if run.counts_recompute else e.model_tflops_per_device
-  return {"run": run.name, "fitting": fitting, "rank": rank, "published_tflops": published,
-          "predicted_tflops": tflops(mine), "published": mine,
-          "first": results[0] if results else None,
-          "first_tflops": tflops(results[0]) if results else None}
+  first = results[0] if results else None
+  return {"run": run.name, "fitting": fitting, "rank": placed and placed[0],
+          "tied": placed and placed[1], "published_tflops": published,
+          "predicted_tflops": tflops(mine), "published": mine, "first": first,
+          "first_tflops": tflops(first) if first else None,
+          "first_speedup": mine.step_s / first.step_s if first else None}
+
+
+def parse_mesh(text: str, devices: int) -> dict[str, int]:
+  """`"data=64,pipeline=16,tensor=8"` -> sizes of every axis (1 where not
+  named), checked against `devices`."""
+  sizes = dict.fromkeys(AXES, 1)
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    axis, _, size = part.partition("=")
+    if axis not in AXES or not size.isdigit() or int(size) < 1:
+      raise ConfigError("--mesh", f"{part!r} is not AXIS=SIZE with AXIS one of "
+                        f"{', '.join(AXES)}; e.g. --mesh data=64,pipeline=16,tensor=8")
+    sizes[axis] = int(size)
+  if math.prod(sizes.values()) != devices:
+    raise ConfigError("--mesh", f"{text} makes {math.prod(sizes.values())} devices, not "
+                      f"--devices={devices}")
+  return sizes
+
+
+def _line(e: Estimate) -> str:
+  comm = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in e.exposed_s.items() if v > 0) or "none"
+  return (f"step {e.step_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f} + exposed comm "
+          f"({comm}) + bubble {e.bubble_s * 1e3:.1f} ms; {e.model_tflops_per_device:.0f} "
+          f"TFLOP/s/device (MFU {e.mfu:.1%}); memory {e.memory_bytes['total'] / 2**30:.1f} GiB")
+
+
+def _layout(c: Candidate) -> str:
+  mesh = " x ".join(f"{a}={n}" for a, n in c.mesh if n > 1) or "one device"
+  extras = [f"zero {c.zero_stage}", f"remat {c.remat}"]
+  if c.grad_accum_steps > 1:
+    extras.append(f"accumulate {c.grad_accum_steps}")
+  if c.sizes["pipeline"] > 1:
+    extras.append(f"{c.schedule}, {c.microbatches} microbatches, {c.virtual_stages} chunks/stage")
+  if c.expert_parallel is not None:
+    extras.append(f"experts over {c.expert_parallel.replace(',', ' x ')}"
+                  if c.expert_parallel else "every expert on every device")
+  return f"{mesh}; {', '.join(extras)}"
+
+
+def explain(cfg, devices: int, cluster: Cluster, sizes: dict) -> dict:
+  """One layout through the planner: its best prediction (the fastest
+  schedule, ZeRO stage and cheapest fitting recomputation meshtrain runs on
+  it), its rank among everything that fits (ties named), and the first
+  choice beside it with where the time goes differently. Text in `text`."""
+  results, fitting, model = search(cfg, devices, cluster, top=10**9)
+  on_mesh = [e for e in results if e.candidate.sizes == sizes]
+  lines, why = [], ""
+  if on_mesh:
+    mine = on_mesh[0]
+  else:
+    runnable = [c for c in candidates(cfg, devices, cluster) if c.sizes == sizes]
+    reasons = [meshtrain_runs(cfg, c) for c in runnable]
+    kept = [c for c, reason in zip(runnable, reasons) if not reason]
+    if not kept:
+      why = (reasons[0] if reasons else "the model's dimensions do not divide over it "
+             "(heads, MLP or vocabulary by tensor, layers by pipeline, batch by data x fsdp)")
+      return {"text": f"meshtrain does not run {sizes}: {why}", "fits": False, "rank": None}
+    mine = min((model.estimate(dataclasses.replace(c, remat="full")) for c in kept),
+               key=lambda e: e.step_s)
+    why = (f"does not fit: {mine.memory_bytes['total'] / 2**30:.1f} GiB a device with full "
+           f"recomputation, over {cluster.hbm_bytes * cluster.usable_memory / 2**30:.1f} usable")
+  placed = rank_of(results, sizes)
+  lines += [f"your layout: {_layout(mine.candidate)}", f"  {_line(mine)}",
+            f"  {why}" if why else f"  rank {placed[0]} of {fitting}" +
+            (f", tied with {placed[1]} other meshes" if placed[1] else "")]
+  first = results[0] if results else None
+  if first is not None and first.candidate != mine.candidate:
+    lines += [f"first choice: {_layout(first.candidate)}", f"  {_line(first)}",
+              f"  {mine.step_s / first.step_s:.2f}x faster predicted; where the time differs "
+              "(yours - first, ms):"]
+    parts = {"compute": (mine.compute_s, first.compute_s),
+             "bubble": (mine.bubble_s, first.bubble_s)}
+    for key in sorted(set(mine.exposed_s) | set(first.exposed_s)):
+      parts[key] = (mine.exposed_s.get(key, 0.0), first.exposed_s.get(key, 0.0))
+    lines += [f"    {key}: {(a - b) * 1e3:+.1f}" for key, (a, b) in parts.items()
+              if abs(a - b) * 1e3 >= 0.05]
+  return {"text": "\n".join(lines), "fits": bool(on_mesh), "rank": placed and placed[0],
+          "tied": placed and placed[1], "yours": mine, "first": first}
 
 
 def format_search(results: list[Estimate], fitting: int, cluster: Cluster, devices: int,
                   base_config: str) -> str:
   lines = [f"{fitting} configurations fit on {devices} x {cluster.name}; the fastest "
-           f"{len(results)} (compute at {ACHIEVABLE:.0%} of peak):", ""]
+           f"{len(results)} (matmuls at {calibration.KERNEL_EFFICIENCY:.0%} of peak, "
+           "calibrated):", ""]
   for i, e in enumerate(results, 1):
-    mesh = " x ".join(f"{a}={n}" for a, n in e.candidate.mesh if n > 1) or "one device"
-    c = e.candidate
-    extras = [f"zero {c.zero_stage}", f"remat {c.remat}"]
-    if c.grad_accum_steps > 1:
-      extras.append(f"accumulate {c.grad_accum_steps}")
-    if c.sizes["pipeline"] > 1:
-      extras.append(f"{c.microbatches} microbatches, {c.virtual_stages} chunks/stage")
-    if c.expert_parallel is not None:
-      extras.append(f"experts over {c.expert_parallel.replace(',', ' x ')}"
-                    if c.expert_parallel else "every expert on every device")
-    comm = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in e.exposed_s.items() if v > 0) or "none"
-    lines += [f"{i}. {mesh}; {', '.join(extras)}",
-              f"   step {e.step_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f} + exposed comm "
-              f"({comm}) + bubble {e.bubble_s * 1e3:.1f} ms",
-              f"   {e.tokens_per_s_per_device:,.0f} tokens/s/device, "
-              f"{e.model_tflops_per_device:.0f} TFLOP/s/device (MFU {e.mfu:.1%}), "
-              f"memory {e.memory_bytes['total'] / 2**30:.1f} GiB/device "
-              f"(activations {e.memory_bytes['activations'] / 2**30:.1f})",
+    lines += [f"{i}. {_layout(e.candidate)}", f"   {_line(e)}",
+              f"   {e.tokens_per_s_per_device:,.0f} tokens/s/device, activations "
+              f"{e.memory_bytes['activations'] / 2**30:.1f} GiB/device",
               f"   {e.as_dict(base_config)['command']}", ""]
   return "\n".join(lines)

@@ -20,6 +20,7 @@ rule: each stage runs its next op at the first tick its inputs are there.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -366,9 +367,18 @@ def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) ->
   return place("forward", num_stages, num_microbatches, num_chunks, [order] * num_stages)
 
 
+@functools.lru_cache(maxsize=256)
 def build(name: str, num_stages: int, num_microbatches: int,
           num_chunks: int = 1) -> Schedule:
-  """Builds the schedule called `name` (one of SCHEDULE_NAMES)."""
+  """The schedule called `name` (one of SCHEDULE_NAMES), built once per
+  arguments and shared: its arrays are read-only."""
+  table = _build(name, num_stages, num_microbatches, num_chunks)
+  for field in ARRAY_FIELDS:
+    getattr(table, field).flags.writeable = False
+  return table
+
+
+def _build(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
   if name == "interleaved_1f1b":
     return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
   builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2}

@@ -1,0 +1,90 @@
+"""The parts of the planner's step-time model, each a function a hand can check.
+
+- `collective_seconds`: a collective's time by latency and bandwidth (the
+  alpha-beta model): every ring hop pays the link's latency, the bytes move
+  at the collective bandwidth NCCL reaches of the line rate; an all-reduce
+  takes the ring or the tree, whichever is faster (NCCL picks by size).
+- `gemm_seconds`: a matmul on its per-device shape by the roofline: its
+  FLOPs at the calibrated kernel efficiency, or its operands' and result's
+  bytes at the memory bandwidth, whichever takes longer, so small
+  per-device GEMMs (a thin tensor-parallel split) run below peak.
+- `elementwise_seconds`: norms, residual adds, activation functions and the
+  like read and write a layer's activations through memory, a fitted
+  number of passes.
+- `exposed_behind_layers`: traffic issued per layer (FSDP's gathers and
+  reduce-scatters, DDP's bucketed all-reduce) hides behind the layer's
+  compute: one layer's worth is always exposed (the first gather before
+  anything runs, the last reduction after everything ran), and of the rest
+  only what exceeds each layer's compute.
+- `lockstep_bubble`: the share of a meshtrain schedule table's cells where
+  a stage idles: meshtrain's executor runs every stage in lock step, one op
+  a tick, so this is the bubble it runs (zero-bubble schedules included).
+"""
+
+import functools
+import math
+
+from meshtrain.parallel.pipeline import schedule as schedules
+
+# Bus bandwidth of a large NCCL collective over line rate: nccl-tests'
+# all-reduce on DGX H100 (NVLink 4) reports about 360 of 450 GB/s, on
+# InfiniBand NDR about 40 of 50 GB/s per GPU. A stated constant, not fitted.
+COLLECTIVE_BANDWIDTH = 0.8
+# Latency of one hop (one step of a ring, one level of a tree), in seconds:
+# NCCL's small-message all-reduce over 8 NVLink GPUs takes about 15 us in 7
+# ring steps (~2 us each); across hosts an InfiniBand hop adds ~5 us.
+HOP_LATENCY = {"intra": 2e-6, "inter": 6e-6}
+
+
+def hops(kind: str, n: int) -> int:
+  """Latency steps of one collective over `n` devices (ring algorithms; the
+  tree's 2 log2 n for an all-reduce where that is fewer)."""
+  if n <= 1:
+    return 0
+  if kind == "all-reduce":
+    return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+  if kind == "collective-permute":
+    return 1
+  return n - 1  # all-gather, reduce-scatter, all-to-all
+
+
+def collective_seconds(kind: str, n: int, ring_bytes: float, count: float, bandwidth: float,
+                       latency: float) -> float:
+  """`count` collectives over `n` devices moving `ring_bytes` per device in
+  all (the ring convention of `meshtrain.analysis.plan`) on links of
+  `bandwidth` bytes/s per direction and `latency` s per hop."""
+  return ring_bytes / (bandwidth * COLLECTIVE_BANDWIDTH) + count * hops(kind, n) * latency
+
+
+def gemm_seconds(m: float, k: float, n: float, peak_flops: float, memory_bandwidth: float,
+                 efficiency: float, element_bytes: int = 2) -> float:
+  """One [m, k] x [k, n] matmul on a device: 2mkn FLOPs at `efficiency` of
+  peak, or (mk + kn + mn) elements through memory, whichever is slower."""
+  flops = 2 * m * k * n
+  moved = element_bytes * (m * k + k * n + m * n)
+  return max(flops / (peak_flops * efficiency), moved / memory_bandwidth)
+
+
+def elementwise_seconds(tokens: float, widths: float, passes: float,
+                        memory_bandwidth: float, element_bytes: int = 2) -> float:
+  """Elementwise work of one layer's forward on `tokens` tokens whose
+  activations sum to `widths` elements a token: `passes` reads or writes of
+  them through memory."""
+  return passes * tokens * widths * element_bytes / memory_bandwidth
+
+
+def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> float:
+  """Of `traffic_s` issued evenly over `layers` layers that together compute
+  for `compute_s`, what shows: one layer's traffic, plus in every other
+  layer what its traffic takes beyond its compute."""
+  if traffic_s <= 0:
+    return 0.0
+  per_layer, per_compute = traffic_s / layers, compute_s / layers
+  return per_layer + (layers - 1) * max(0.0, per_layer - per_compute)
+
+
+@functools.cache
+def lockstep_bubble(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+  """Idle share of stage-ticks in meshtrain's table for the schedule."""
+  table = schedules.build(name, stages, microbatches, chunks)
+  return float((table.op == schedules.IDLE).mean())
