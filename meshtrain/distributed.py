@@ -22,9 +22,9 @@ import subprocess
 import sys
 
 import jax
-from jax._src import distributed as _jax_distributed  # where jax.distributed keeps its state
 
 from meshtrain.errors import ConfigError
+from meshtrain.jax_internals import jax_distributed as _jax_distributed
 
 
 def check(dist_cfg) -> None:

@@ -13,17 +13,25 @@ an upgrade that changes one fails there first, by name, not deep in a step.
   varying axes  which manual axes a value inside a `shard_map` varies over
                 (`varying_axes`, `struct_of`): the pipeline types its
                 branches' outputs and its stash buffers as their values are.
+  distributed   the module where `jax.distributed` keeps its client and
+                reaches jaxlib to start the coordination service
+                (`jax_distributed`, whose `_jax` distributed.py stands in for
+                while process 0 starts the service in a child process), and
+                jaxlib's own (`jaxlib_runtime`).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src import distributed as jax_distributed
 from jax._src.interpreters import partial_eval as _partial_eval
+from jax._src.lib import _jax as jaxlib_runtime
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, jaxpr_as_fun
 
 __all__ = ["CALLS", "PARAMS", "ClosedJaxpr", "Jaxpr", "Literal", "Var", "call_body", "dce",
-           "jaxpr_as_fun", "param", "rebuilt", "replay", "struct_of", "varying_axes"]
+           "jax_distributed", "jaxlib_runtime", "jaxpr_as_fun", "param", "rebuilt", "replay",
+           "struct_of", "varying_axes"]
 
 # Call-like primitives and the parameter that holds their body.
 CALLS = {**{name: "jaxpr" for name in ("jit", "pjit", "closed_call", "core_call", "checkpoint",

@@ -200,8 +200,7 @@ def test_the_timeouts_of_a_job_of_one_process_are_refused():
 def test_the_coordination_service_serves_from_a_child_process():
   """What process 0 runs instead of jax's in-process service: clients join,
   share keys, shut down, and `shutdown` ends the child."""
-  from jax._src import distributed as jax_distributed
-  from jax._src.lib import _jax
+  from meshtrain.jax_internals import jax_distributed, jaxlib_runtime as _jax
   assert callable(jax_distributed._jax.get_distributed_runtime_service)  # the seam it replaces
   address = f"127.0.0.1:{free_port()}"
   service = distributed._ServiceInChild(_jax).get_distributed_runtime_service(
