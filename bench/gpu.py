@@ -9,15 +9,17 @@ Each setting runs in its own process, because XLA flags are read once at start,
 under `--timeout` seconds: compile, `--warmup` steps, then `--steps` timed steps
 (one host sync at the end, so the device queue never drains between them). A
 setting that fails (out of memory, say) or times out becomes a row saying so.
-MFU counts the model FLOPs of `meshtrain.models.flops` (6N + attention,
-recomputation not counted) against the device's dense bf16 peak. The rows go to
+MFU counts the model FLOPs of `meshtrain.models.flops` (6N + attention from
+active parameters, recomputation not counted) against the device's dense bf16
+peak; peak GiB is the device allocator's high-water mark. The rows go to
 `--out`/gpu_MODEL.json after every setting (so an interrupted sweep keeps what
-it measured) and, at the end, into the table between the markers in
-docs/benchmarks.md, with device, jax version and date.
+it measured). `--render` writes their table between the markers in
+docs/benchmarks.md, stamped with device, jax version and date, with the
+planner's prediction of each step beside it (the planner traces the model with
+the jax meshtrain pins, so render where meshtrain is installed).
 
-Imports only meshtrain's model, rules and step (not its data loading, metrics or
-checkpoints), so on a GPU machine with jax, flax and optax the repo runs as it
-is, with ml_collections beside it.
+Needs what `meshtrain.train.setup` imports (jax, flax, optax, orbax, grain,
+ml_collections); on a GPU image that lacks some, they can travel as wheels.
 """
 
 import argparse
@@ -45,11 +47,62 @@ SETTINGS = {  # id -> (config changes, XLA_FLAGS)
                                       ""),
     "full-cudnn": ({"remat": "full", "attention.implementation": "cudnn"}, FAST_XLA),
     "none-cudnn": ({"remat": "none", "attention.implementation": "cudnn"}, FAST_XLA),
+    # What each offload saves of the device's peak memory, and what it costs in time.
+    "offload-params": ({"remat": "selective", "attention.implementation": "cudnn",
+                        "offload.params": True}, FAST_XLA),
+    "offload-optimizer": ({"remat": "selective", "attention.implementation": "cudnn",
+                           "offload.optimizer": True}, FAST_XLA),
+    "remat-offload": ({"remat": "offload", "attention.implementation": "cudnn"}, FAST_XLA),
+    # The preset with 8 experts of a quarter of its MLP width, top 2, dropless: its MLP
+    # does half the dense FLOPs, so MFU (from active parameters) compares the two.
+    "moe-8x-top2": ({"remat": "selective", "attention.implementation": "cudnn",
+                     "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
+                     "model.moe.mlp_dim": 2048}, FAST_XLA),
+    "moe-8x-top2-ragged-dot": ({"remat": "selective", "attention.implementation": "cudnn",
+                                "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
+                                "model.moe.mlp_dim": 2048, "model.moe.grouped_gemm": "ragged_dot"},
+                               FAST_XLA),
 }
 
 
 def peak_flops(device) -> float:
   return next((peak for kind, peak in PEAK_BF16.items() if kind in device.device_kind), 0.0)
+
+
+def one_device_config(model: str, batch_size: int, seq_len: int, changes: dict):
+  """The preset `model` on one device in bfloat16, with a setting's changes."""
+  from meshtrain.config import load
+
+  cfg = load(REPO / "configs" / f"{model}.py")
+  cfg.update(global_batch=batch_size, seq_len=seq_len, param_dtype="bfloat16",
+             compute_dtype="bfloat16")
+  cfg.mesh.data = 1
+  for key, value in changes.items():
+    *sections, name = key.split(".")
+    node = cfg
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return cfg
+
+
+def predicted_step_s(row: dict, cluster: str = "h100") -> float | None:
+  """The planner's step time for a measured row's configuration (None where it
+  models no such setting: offload, XLA's attention, `ragged_dot` experts,
+  another device)."""
+  from meshtrain.analysis import clusters, search
+  from meshtrain.mesh import AXES
+
+  changes = SETTINGS[row["setting"]][0]
+  if (cluster.upper() not in row["device"] or row["attention"] != "cudnn"
+      or any(key.startswith("offload") for key in changes)
+      or changes["remat"] not in search.REMATS
+      or changes.get("model.moe.grouped_gemm", "tiled") != "tiled"):
+    return None
+  cfg = one_device_config(row["model"], row["batch"], row["seq_len"], changes)
+  model = search.StepModel(cfg, clusters.load(cluster))
+  candidate = search.Candidate(mesh=tuple((axis, 1) for axis in AXES), remat=changes["remat"])
+  return model.estimate(candidate).step_s
 
 
 def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
@@ -59,17 +112,11 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   import numpy as np
 
   from meshtrain.models.flops import flops_per_token
-  from meshtrain.config import load
   from meshtrain.train.setup import build
   from meshtrain.train.parallelize import attention_kernel, model_config
 
-  cfg = load(REPO / "configs" / f"{model}.py")
-  cfg.update(global_batch=batch_size, seq_len=seq_len, param_dtype="bfloat16",
-             compute_dtype="bfloat16", steps=warmup + steps + 1)
-  cfg.mesh.data = 1
-  for key, value in changes.items():
-    section, _, name = key.rpartition(".")
-    (cfg[section] if section else cfg)[name] = value
+  cfg = one_device_config(model, batch_size, seq_len, changes)
+  cfg.steps = warmup + steps + 1
   setup = build(cfg, jax.devices()[:1])
   state = setup.init_state()
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch_size, seq_len + 1),
@@ -91,6 +138,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   tokens_per_s = batch_size * seq_len / step_s
   device = jax.devices()[0]
   peak = peak_flops(device)
+  peak_bytes = (device.memory_stats() or {}).get("peak_bytes_in_use")
   model_cfg = model_config(cfg)
   model_flops = flops_per_token(model_cfg, setup.spec.abstract_params, seq_len)
   return {"model": model, "batch": batch_size, "seq_len": seq_len, "steps": steps, **changes,
@@ -101,6 +149,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
           "tflops_per_s": tokens_per_s * model_flops / 1e12,
           "mfu": tokens_per_s * model_flops / peak if peak else None,
           "compile_s": compile_s, "loss": float(metrics["loss"]),
+          "peak_gib": peak_bytes / 2**30 if peak_bytes else None,
           "temp_gib": memory.temp_size_in_bytes / 2**30 if memory else None,
           "arguments_gib": memory.argument_size_in_bytes / 2**30 if memory else None}
 
@@ -127,15 +176,21 @@ def measure(args, setting: str) -> dict:
   return {"setting": setting, **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
-def table(rows: list[dict]) -> str:
-  lines = ["| setting | attention | tokens/s | TFLOP/s | MFU | temp GiB | compile s |",
-           "|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], planner: bool = True) -> str:
+  """The rows as markdown; `planner` adds the planner's step time for each
+  (it traces the model, so it needs the jax meshtrain pins)."""
+  lines = ["| setting | attention | tokens/s | TFLOP/s | MFU | step ms | planner ms | peak GiB | "
+           "temp GiB | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
   for row in rows:
     if "error" in row:
-      lines.append(f"| {row['setting']} | failed: {row['error']} | | | | | |")
+      lines.append(f"| {row['setting']} | failed: {row['error']} | | | | | | | | |")
     else:
+      peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") else "—"
+      predicted = predicted_step_s(row) if planner else None
+      predicted = f"{predicted * 1e3:.0f}" if predicted else "—"
       lines.append(f"| {row['setting']} | {row['attention']} | {row['tokens_per_s']:,.0f} | "
                    f"{row['tflops_per_s']:.0f} | {(row['mfu'] or 0):.1%} | "
+                   f"{row['step_s'] * 1e3:.0f} | {predicted} | {peak} | "
                    f"{row['temp_gib'] or 0:.1f} | {row['compile_s']:.0f} |")
   return "\n".join(lines)
 
@@ -168,9 +223,7 @@ def sweep(args) -> None:
     row = rows[-1]
     print(f"  {row['error']}" if "error" in row else
           f"  {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu'] or 0:.1%}", flush=True)
-  print(table(rows))
-  if any("error" not in row for row in rows):
-    render(rows)
+  print(table(rows, planner=False))
 
 
 def main():

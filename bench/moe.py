@@ -75,9 +75,10 @@ def config(moe: dict | None = None, **changes):
 
 
 def loop_over_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
-                      w_down_ExFxD):
+                      w_down_ExFxD, *, gemm: str = ""):
   """The experts slot written plainly: every expert on every token, weighted
-  by what the router gave it (zero where it did not choose it)."""
+  by what the router gave it (zero where it did not choose it); no grouped
+  GEMM, so `gemm` changes nothing."""
   y_BxLxD = jnp.zeros(x_BxLxD.shape, jnp.float32)
   for e in range(w_gate_ExDxF.shape[0]):
     h = jax.nn.silu(x_BxLxD @ w_gate_ExDxF[e]) * (x_BxLxD @ w_up_ExDxF[e])

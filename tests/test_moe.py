@@ -119,11 +119,12 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("gemm", experts.GEMMS)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name):
+def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name, gemm):
   """The switch loss's gradient included: meshtrain injects it into the
   backward, the reference differentiates coef x loss."""
-  cfg = CONFIGS[name]
+  cfg = dataclasses.replace(CONFIGS[name], grouped_gemm=gemm)
   moe = layer(cfg)
   x, cotangent = inputs()
   y, stats, grads = layer_value_and_grads(moe, x, cotangent)
@@ -145,9 +146,10 @@ def test_one_expert_top_one_is_the_dense_mlp():
   np.testing.assert_allclose(moe(x), dense(x), rtol=1e-5, atol=1e-6)
 
 
-def test_dropless_drops_nothing_and_capacity_drops_exactly_what_it_reports():
+@pytest.mark.parametrize("gemm", experts.GEMMS)
+def test_dropless_drops_nothing_and_capacity_drops_exactly_what_it_reports(gemm):
   x, cotangent = inputs(length=16)
-  dropless = MoEConfig(num_experts=4, experts_per_token=2, aux_loss_coef=0.0)
+  dropless = MoEConfig(num_experts=4, experts_per_token=2, aux_loss_coef=0.0, grouped_gemm=gemm)
   moe = layer(dropless)
   # A router that sends most tokens to expert 0: at capacity factor 1 it overflows.
   moe.router_DxE[...] = moe.router_DxE[...].at[:, 0].add(2.0)
@@ -209,11 +211,12 @@ MESHES = {
 }
 
 
+@pytest.mark.parametrize("gemm", experts.GEMMS)
 @pytest.mark.parametrize("name", MESHES)
-def test_experts_split_over_mesh_axes_equal_the_plain_loop(name):
+def test_experts_split_over_mesh_axes_equal_the_plain_loop(name, gemm):
   sizes, axes = MESHES[name]
   mesh = mesh_of(**sizes)
-  cfg = CONFIGS["softmax top-2 of 8"]
+  cfg = dataclasses.replace(CONFIGS["softmax top-2 of 8"], grouped_gemm=gemm)
   moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes))
   x, cotangent = inputs(batch=8, length=8)
   rules = r.strategy_rules(mesh, expert_axes=axes)
@@ -250,6 +253,8 @@ COMPOSITIONS = {
                                                      expert_parallel=""),
     **{f"fsdp=8 remat={remat}": dict(mesh=dict(data=1, fsdp=8), remat=remat)
        for remat in ("full", "selective")},
+    "fsdp=8 ragged_dot grouped GEMM": dict(mesh=dict(data=1, fsdp=8),
+                                      model=dict(moe=dict(grouped_gemm="ragged_dot"))),
     "fsdp=8 shared expert, first layer dense, sigmoid": dict(
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
                                                        router="sigmoid", route_scale=2.5))),
@@ -257,6 +262,7 @@ COMPOSITIONS = {
 
 
 @pytest.mark.parametrize("case", tiered(COMPOSITIONS, ("expert_parallel=data,fsdp",
+                                                       "fsdp=8 ragged_dot grouped GEMM",
                                                        "fsdp=8 shared expert, first layer dense, "
                                                        "sigmoid")))
 def test_moe_training_matches_unsharded_plain_jit(case):

@@ -85,7 +85,7 @@ class Slots:
     causal grouped-query attention over the sequence (inside each packed
     document; over the last `window` tokens when > 0), whatever splits its
     length; the default sees it whole.
-  experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down) -> y_BxLxD:
+  experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down, *, gemm) -> y_BxLxD:
     the routed experts on the tokens that chose them (`parallel/experts.py`);
     the default runs every expert here.
   token_sum(x_BxLx...) -> x...: a per-token count summed over every token of

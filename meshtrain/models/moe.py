@@ -60,6 +60,7 @@ class MoEConfig:
   aux_loss_coef: float = 0.01
   bias_update_rate: float = 0.0
   capacity_factor: float = 0.0
+  grouped_gemm: str = "tiled"  # how a device runs its experts (`experts.GEMMS`)
 
   def capacity(self, length: int) -> int:
     """Assignments an expert takes from one sequence of `length` tokens (0: all)."""
@@ -168,8 +169,8 @@ def metrics(stats: dict, k: int) -> dict[str, jax.Array]:
 
 
 # The routed experts' computation: (x_BxLxD, expert_BxLxK, weight_BxLxK,
-# w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD) -> y_BxLxD, each token's weighted
-# sum of its kept experts' outputs (`meshtrain.parallel.experts`).
+# w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, gemm) -> y_BxLxD, each token's
+# weighted sum of its kept experts' outputs (`meshtrain.parallel.experts`).
 ExpertsFn = Callable[..., jax.Array]
 
 
@@ -194,7 +195,8 @@ class MoE(nnx.Module):
     routing, stats = route(x_BxLxD, self.router_DxE[...], self.bias_E[...], self.cfg,
                            self.token_sum, self.aux_weight)
     y_BxLxD = self.experts(x_BxLxD, routing.expert_BxLxK, routing.weight_BxLxK,
-                           self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...])
+                           self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...],
+                           gemm=self.cfg.grouped_gemm)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
     return checkpoint_name(r.constrain(y_BxLxD, (r.BATCH, r.LENGTH, r.ACT_EMBED)), MLP_OUT), stats

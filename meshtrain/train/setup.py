@@ -130,6 +130,7 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   """The Mixture-of-Experts settings against the model and the mesh."""
   moe, key = cfg.model.moe, "config.model.moe"
   _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
+  _check_choice(f"{key}.grouped_gemm", moe.grouped_gemm, experts.GEMMS)
   if not 1 <= moe.experts_per_token <= moe.num_experts:
     raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
                       f"and model.moe.num_experts = {moe.num_experts}")
