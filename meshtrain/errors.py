@@ -1,5 +1,8 @@
 """The one error type users see for bad input: it names the config key and the fix."""
 
+import contextlib
+from collections.abc import Iterator
+
 
 class ConfigError(ValueError):
   """Bad input. The CLI prints `error: <key>: <message>` on one line and exits 2."""
@@ -21,3 +24,13 @@ class TrainingHalted(RuntimeError):
   def __init__(self, key: str, message: str):
     super().__init__(f"{key}: {message}")
     self.key = key
+
+
+@contextlib.contextmanager
+def reading(key: str, path) -> Iterator[None]:
+  """An OSError inside (a file `key` names that exists but fails to read: an
+  I/O error, no permission) becomes one line naming `key` and `path`."""
+  try:
+    yield
+  except OSError as error:
+    raise ConfigError(key, f"reading {path} failed ({error.strerror or error})") from None

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 
 from meshtrain.checkpoint import damage_reason
 from meshtrain.config import get_config
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, reading
 
 
 def check_new_directory(directory, key: str, holds: str | None = None) -> None:
@@ -33,10 +33,8 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
   if not file.is_file():
     raise ConfigError("--workdir", f"{workdir} has no config.json; give a workdir that "
                       "`meshtrain train` or `meshtrain import-hf` wrote")
-  try:
+  with reading("--workdir", file):
     saved = json.loads(file.read_text())
-  except OSError as error:
-    raise ConfigError("--workdir", f"reading {file} failed ({error.strerror or error})") from None
   # How the run was launched belongs to that launch: a command that reads the
   # run joins a job only when its own flags say so, on as many devices in all.
   launched = saved.pop("distributed", {})

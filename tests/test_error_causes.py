@@ -103,6 +103,46 @@ def test_a_saved_run_whose_config_fails_to_read_names_workdir(tmp_path, meshtrai
       f"error: --workdir: reading {config} failed (Input/output error)"]
 
 
+def test_a_cluster_file_that_fails_to_read_names_cluster(tmp_path, meshtrain):
+  cluster = unreadable(tmp_path / "cluster.json")
+  code, stderr = meshtrain(["plan", "--search", "--cluster", str(cluster), "--devices", "8",
+                            *micro_flags()])
+  assert code == 2
+  assert stderr.strip().splitlines() == [
+      f"error: --cluster: reading {cluster} failed (Input/output error)"]
+
+
+def test_a_hugging_face_index_that_fails_to_read_names_from(tmp_path, meshtrain):
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf/config.json").write_text(
+      '{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, '
+      '"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64}')
+  index = unreadable(tmp_path / "hf/model.safetensors.index.json")
+  code, stderr = meshtrain(["import-hf", "--from", str(tmp_path / "hf"),
+                            "--to", str(tmp_path / "out")])
+  assert code == 2
+  assert stderr.strip().splitlines()[-1] == (
+      f"error: --from: reading {index} failed (Input/output error)")
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_metrics_file_that_fails_to_close_still_lets_the_last_checkpoint_finish(
+    tmp_path, monkeypatch):
+  """A full disk that fails the metrics file's close: the saves in flight are
+  still waited for, so the last checkpoint is complete (or absent), never cut."""
+  from meshtrain.train import loop, metrics
+  from meshtrain.train.watchdog import newest_checkpoint
+
+  def full_disk(self):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(metrics.MetricsWriter, "close", full_disk)
+  cfg = micro_config(steps=3, workdir=str(tmp_path))
+  with pytest.raises(OSError, match="No space left"):
+    loop.train(cfg)
+  assert newest_checkpoint(tmp_path) == 3
+  assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+
+
 # Restores that fail
 
 class Position:

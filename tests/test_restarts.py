@@ -4,7 +4,8 @@ stopped one, a lost coordinator, each stopped in one line and the job finished
 equal to one that met no fault, bit for bit.
 
 Faults come from `MESHTRAIN_FAULT` (meshtrain/train/watchdog.py): process K
-sends itself SIGKILL or SIGSTOP before step S, once per workdir.
+sends itself SIGKILL or SIGSTOP before step S, or right after checkpoint S's
+asynchronous save started, once per workdir.
 """
 
 import json
@@ -126,13 +127,30 @@ def no_dumps(text):
   return not any(s in text for s in ("Traceback", "Terminating process", "Check failure"))
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The workdir of the job that met no fault."""
+  workdir = tmp_path_factory.mktemp("straight")
+  result, _ = launched(workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+def assert_ends_as(chaos, straight):
+  """Each step logged once (the resumed run's), the losses and the final
+  weights those of the job that met no fault, bit for bit."""
+  got, expected = records(chaos), records(straight)
+  assert [r["step"] for r in got] == list(range(1, 10))
+  assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+  same = jax.tree.map(np.array_equal, final_params(chaos), final_params(straight))
+  assert all(jax.tree.leaves(same))
+
+
 @pytest.mark.slow
-def test_a_job_outlives_a_killed_and_a_stopped_process_bit_for_bit(tmp_path):
+def test_a_job_outlives_a_killed_and_a_stopped_process_bit_for_bit(tmp_path, straight):
   """Process 1 is killed before step 5 (checkpoint 3 done, 6 not yet), and
   stopped before step 8; the job restarts twice and ends where one that met
   no fault ends."""
-  straight, _ = launched(tmp_path / "straight")
-  assert straight.returncode == 0, straight.stderr[-3000:]
   chaos, _ = launched(tmp_path / "chaos", max_restarts=2, fault="1:KILL:5,1:STOP:8")
   assert chaos.returncode == 0, chaos.stderr[-3000:]
 
@@ -146,13 +164,23 @@ def test_a_job_outlives_a_killed_and_a_stopped_process_bit_for_bit(tmp_path):
                              "line above); stopped the others; restart 2 of 2 from checkpoint ")
   assert no_dumps(chaos.stderr) and no_dumps(chaos.stdout)
   assert "resumed from" in chaos.stdout and "done: step 9" in chaos.stdout
+  assert_ends_as(tmp_path / "chaos", straight)
 
-  got, expected = records(tmp_path / "chaos"), records(tmp_path / "straight")
-  assert [r["step"] for r in got] == list(range(1, 10))  # each step once: the resumed run's
-  assert [r["loss"] for r in got] == [r["loss"] for r in expected]
-  same = jax.tree.map(np.array_equal, final_params(tmp_path / "chaos"),
-                      final_params(tmp_path / "straight"))
-  assert all(jax.tree.leaves(same))
+
+@pytest.mark.slow
+def test_a_kill_during_an_asynchronous_save_loses_no_complete_checkpoint(tmp_path, straight):
+  """Process 1 is killed while checkpoint 6 is being written: 6 never
+  completes, the restart resumes from 3 (the newest complete), and the job
+  ends where one that met no fault ends."""
+  chaos, _ = launched(tmp_path / "chaos", max_restarts=1, fault="1:KILL:6:save")
+  assert chaos.returncode == 0, chaos.stderr[-3000:]
+  assert (tmp_path / "chaos" / "fault-1-KILL-6-save").is_file()
+  lines = [line for line in re.split(r"[\r\n]", chaos.stderr) if line.startswith(("launch:", "error:"))]
+  assert len(lines) == 1 and re.fullmatch(
+      r"launch: process 1 was killed by SIGKILL; stopped the others; restart 1 of 1 from "
+      r"checkpoint 3, losing steps? .*", lines[0]), lines
+  assert no_dumps(chaos.stderr) and no_dumps(chaos.stdout)
+  assert_ends_as(tmp_path / "chaos", straight)
 
 
 @pytest.mark.slow

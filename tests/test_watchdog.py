@@ -175,9 +175,11 @@ def test_a_fault_is_injected_once_per_workdir(tmp_path):
                   for _ in range(2))
   assert (first.returncode, again.returncode) == (-9, 0)
   assert (tmp_path / "fault-1-KILL-3").is_file() and not (tmp_path / "fault-0-STOP-3").exists()
-  assert faults("1:kill:5,0:STOP:9") == [(1, "KILL", 5), (0, "STOP", 9)]
+  assert faults("1:kill:5,0:STOP:9:save") == [(1, "KILL", 5, "step"), (0, "STOP", 9, "save")]
   with pytest.raises(ValueError, match="KILL or STOP"):
     faults("1:TERM:5")
+  with pytest.raises(ValueError, match="only ':save'"):
+    faults("1:KILL:5:eval")
 
 
 def test_newest_checkpoint_counts_complete_steps_only(tmp_path):

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, reading
 
 GB = 1e9
 
@@ -65,7 +65,8 @@ def load(name_or_path: str) -> Cluster:
     raise ConfigError("--cluster", f"{name_or_path!r} is neither a preset "
                       f"({', '.join(PRESETS)}) nor a JSON file")
   try:
-    fields = json.loads(path.read_text())
+    with reading("--cluster", path):
+      fields = json.loads(path.read_text())
     return Cluster(**{"name": path.stem, **fields})
   except (json.JSONDecodeError, TypeError) as error:
     names = ", ".join(f.name for f in dataclasses.fields(Cluster))

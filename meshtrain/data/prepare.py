@@ -67,7 +67,7 @@ from tqdm import tqdm
 
 from meshtrain.data import chat
 from meshtrain.data import tokenizer as tk
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, reading
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # 1: no loss mask
@@ -122,7 +122,7 @@ def pieces(files: Sequence[Path], *, text_field: str, split_blank_lines: bool) -
       for text in _parquet_texts(file, text_field):
         yield from _line_pieces(io.StringIO(text), split_blank_lines=False)
     else:
-      with _reading(file), _open_text(file) as lines:
+      with reading("--input", file), _open_text(file) as lines:
         yield from _line_pieces(lines, split_blank_lines=split_blank_lines)
 
 
@@ -136,18 +136,8 @@ def check_inputs(files: Sequence[Path], text_field: str) -> None:
       next(_parquet_texts(file, text_field), None)
 
 
-@contextlib.contextmanager
-def _reading(file: Path) -> Iterator[None]:
-  """An input that exists but fails to read (an I/O error, no permission) is
-  one line naming it."""
-  try:
-    yield
-  except OSError as error:
-    raise ConfigError("--input", f"reading {file} failed ({error.strerror or error})") from None
-
-
 def _open_text(file: Path):
-  return open(file, encoding="utf-8", newline="")  # inside `_reading(file)`
+  return open(file, encoding="utf-8", newline="")  # inside `reading("--input", file)`
 
 
 def _line_pieces(lines: Iterable[str], *, split_blank_lines: bool) -> Iterator[Piece]:
@@ -182,7 +172,7 @@ def _line_pieces(lines: Iterable[str], *, split_blank_lines: bool) -> Iterator[P
 
 def _jsonl_records(file: Path) -> Iterator[tuple[int, Any, int]]:
   """Each non-blank line's number, JSON value and size in bytes."""
-  with _reading(file), _open_text(file) as lines:
+  with reading("--input", file), _open_text(file) as lines:
     try:
       for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -221,7 +211,7 @@ def conversations(files: Sequence[Path]) -> Iterator[chat.Conversation]:
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator[str]:
-  with _reading(file):  # pyarrow's I/O errors are OSErrors, its other errors not
+  with reading("--input", file):  # pyarrow's I/O errors are OSErrors, its other errors not
     try:
       table = pq.ParquetFile(file)
     except pa.ArrowException as error:
@@ -272,7 +262,7 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_forma
   tokenizer = corpus.tokenizer
   created, partial = _first_missing(out_dir.absolute().parent), None
   try:
-    with _writing(out):  # an input that fails to read says so itself (`_reading`)
+    with _writing(out):  # an input that fails to read says so itself (`reading`)
       out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
       partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-",
                                       dir=out_dir.absolute().parent))
@@ -307,7 +297,7 @@ def _writing(out: str) -> Iterator[None]:
 
 
 def _size(file: Path) -> int:
-  with _reading(file):
+  with reading("--input", file):
     return file.stat().st_size
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, reading
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.importer import HF_CONFIG_FILE, TOKENIZER_FILES
 from meshtrain.hf.load import INDEX_FILE, SINGLE_FILE
@@ -94,7 +94,8 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
   directory = Path(directory)
   check_target(directory)
   source_file = Path(workdir) / HF_CONFIG_FILE
-  source = json.loads(source_file.read_text()) if source_file.is_file() else None
+  with reading("--workdir", source_file):
+    source = json.loads(source_file.read_text()) if source_file.is_file() else None
   dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
   if dtype not in DTYPES:
     raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")

@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, reading
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.weights import FUSED_GATE_UP, hf_weights
 from meshtrain.models.patterns import path_string
@@ -36,8 +36,10 @@ class SafetensorsDir:
     self.directory, self.key = Path(directory), key
     index = self.directory / INDEX_FILE
     if index.is_file():
+      with reading(key, index):
+        text = index.read_text()
       try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(text)["weight_map"]
       except (ValueError, KeyError) as error:
         raise ConfigError(key, f"{index} is not a safetensors index ({error})") from None
     elif (self.directory / SINGLE_FILE).is_file():

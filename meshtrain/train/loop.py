@@ -144,6 +144,7 @@ def _train(cfg, watchdog) -> list[dict]:
           with watchdog.phase(f"saving checkpoint {step}", step,  # waits for the step
                               watchdog.allowance(compiles=step == first)):
             checkpoints.save(step, state, batches, cfg)
+          watchdog.inject_fault(step, "save")
         evaluating = evaluator is not None and evaluator.due(step)
         logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
         preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
@@ -170,7 +171,9 @@ def _train(cfg, watchdog) -> list[dict]:
         checkpoints.save(int(state.step), state, batches, cfg)
   finally:
     bar.close()
-    writer.close()
-    with watchdog.phase("saving the last checkpoints", cfg.steps):
-      checkpoints.close()  # waits for the saves in flight
+    try:
+      writer.close()  # a full disk fails here too: the saves in flight still finish
+    finally:
+      with watchdog.phase("saving the last checkpoints", cfg.steps):
+        checkpoints.close()  # waits for the saves in flight
   return records

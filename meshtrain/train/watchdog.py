@@ -25,8 +25,10 @@ watchdog notices first and JAX's detection stays the backstop.
 
 Fault injection, for tests and drills: `MESHTRAIN_FAULT="PROCESS:SIGNAL:STEP,..."`
 (e.g. `1:KILL:5,1:STOP:9`) makes process PROCESS send itself SIGSTOP or SIGKILL
-before step STEP, once per workdir (a marker file `fault-PROCESS-SIGNAL-STEP`
-there keeps a restarted job from doing it again).
+before step STEP, and `PROCESS:SIGNAL:STEP:save` right after checkpoint STEP's
+asynchronous save has started (its writes in flight), once per workdir (a
+marker file `fault-PROCESS-SIGNAL-STEP[-save]` there keeps a restarted job from
+doing it again).
 """
 
 import contextlib
@@ -131,11 +133,13 @@ class Watchdog:
     jax.block_until_ready(previous)
     self.expect(f"step {step}", step)
 
-  def inject_fault(self, step: int) -> None:
-    """`MESHTRAIN_FAULT`'s signal for this process before `step`, once per workdir."""
-    for process, name, at in faults(os.environ.get(FAULT_ENV, "")):
-      marker = self.workdir / f"fault-{process}-{name}-{at}"
-      if process == self.process_index and at == step and not marker.exists():
+  def inject_fault(self, step: int, moment: str = "step") -> None:
+    """`MESHTRAIN_FAULT`'s signal for this process at `moment` of `step`
+    ("step": before it; "save": its checkpoint's save started), once per workdir."""
+    for process, name, at, when in faults(os.environ.get(FAULT_ENV, "")):
+      marker = self.workdir / (f"fault-{process}-{name}-{at}" + ("-save" if when == "save" else ""))
+      if (process == self.process_index and (at, when) == (step, moment)
+          and not marker.exists()):
         marker.write_text(f"{time.time()}\n")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -258,7 +262,7 @@ class Off:
   def dispatched(self, step: int, outputs) -> None:
     pass
 
-  def inject_fault(self, step: int) -> None:
+  def inject_fault(self, step: int, moment: str = "step") -> None:
     pass
 
   def await_verdict(self) -> None:
@@ -280,12 +284,14 @@ def watchdog_for(cfg, client=None, process_index: int = 0, num_processes: int = 
                   num_processes=num_processes).start()
 
 
-def faults(spec: str) -> list[tuple[int, str, int]]:
-  """`MESHTRAIN_FAULT`'s (process, KILL | STOP, step) triples."""
-  triples = []
+def faults(spec: str) -> list[tuple[int, str, int, str]]:
+  """`MESHTRAIN_FAULT`'s (process, KILL | STOP, step, step | save) entries."""
+  entries = []
   for item in filter(None, (part.strip() for part in spec.split(","))):
-    process, name, step = item.split(":")
+    process, name, step, *moment = item.split(":")
     if name.upper() not in ("KILL", "STOP"):
       raise ValueError(f"{FAULT_ENV}: {item!r}: the signal is KILL or STOP")
-    triples.append((int(process), name.upper(), int(step)))
-  return triples
+    if moment not in ([], ["save"]):
+      raise ValueError(f"{FAULT_ENV}: {item!r}: after the step, only ':save' may follow")
+    entries.append((int(process), name.upper(), int(step), moment[0] if moment else "step"))
+  return entries
