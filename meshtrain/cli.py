@@ -162,6 +162,11 @@ def plan_command(argv: list[str]) -> None:
   if _SEARCH.value:
     _search(cfg)
     return
+  searching = [f"--{name}" for name in ("mesh", "cluster", "top", "global_batch", "seq_len")
+               if flags.FLAGS[name].present]
+  if searching:
+    raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
+                      "config's own layout with --config.mesh.* and --config.global_batch")
   if _COMPILE.value and _DEVICES.value:
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)

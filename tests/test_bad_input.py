@@ -152,6 +152,7 @@ CASES = [
      "config.workdir"),
     # the other commands
     ("plan", ["--devices=0"], "--devices"),
+    ("plan", ["--devices=8", "--mesh=data=8"], "--mesh"),  # a flag of plan --search alone
     ("plan", ["--devices=8", "--config.mesh.data=3"], "config.mesh"),
     ("plan", ["--devices=8", "--config.mesh.data=1", "--config.mesh.sequence=8",
               "--config.attention.sequence_strategy=ulysses"], "config.attention.sequence_strategy"),

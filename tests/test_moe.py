@@ -135,6 +135,23 @@ def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name, gemm)
   np.testing.assert_allclose(float(stats.aux_loss), float(ref_aux), rtol=1e-6)
 
 
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 61), (5, 5, 5, 49), (0, 0, 0, 64), (16, 16, 16, 16)])
+def test_tiles_hold_every_row_when_each_expert_pads_a_tile(sizes):
+  """64 rows over 4 experts in tiles of 4: (1, 1, 1, 61) and (5, 5, 5, 49)
+  fill the static bound (16 + 4 - 1 tiles) exactly; every row still comes out."""
+  assert experts.tile_rows(64, 4) == 4
+  expert_N = np.random.default_rng(0).permutation(np.repeat(np.arange(4), sizes))
+  kw, kx = jax.random.split(jax.random.key(0))
+  gate, up, down = (jax.random.normal(k, shape) for k, shape in zip(
+      jax.random.split(kw, 3), [(4, D, F), (4, D, F), (4, F, D)]))
+  x_NxD = jax.random.normal(kx, (64, D))
+  y = experts.grouped_experts(x_NxD[None], jnp.asarray(expert_N)[None, :, None],
+                              jnp.ones((1, 64, 1)), gate, up, down, gemm="tiled")[0]
+  want = jnp.stack([(jax.nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]
+                    for x, e in zip(x_NxD, expert_N)])
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_one_expert_top_one_is_the_dense_mlp():
   cfg = MoEConfig(num_experts=1, experts_per_token=1)
   moe = layer(cfg)

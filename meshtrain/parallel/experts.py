@@ -139,11 +139,12 @@ def _tiled_swiglu(x_NxD: jax.Array, key_N: jax.Array, groups_G: jax.Array, w_gat
                   w_up_GxDxF, w_down_GxFxD) -> jax.Array:
   """Rows of x (any order) through expert `key_N` (G: none, zero out): each
   expert's rows padded to whole tiles of M rows, every tile one batched GEMM
-  with its expert's matrices. Tiles: at most ceil(N / M) + G, a static bound."""
+  with its expert's matrices. Tiles: sum_g ceil(rows_g / M) < N / M + G, so at
+  most ceil(N / M) + G - 1, a static bound."""
   n, d = x_NxD.shape
   g = groups_G.shape[0]
   m = tile_rows(n, g)
-  tiles = -(-n // m) + g
+  tiles = -(-n // m) + g - 1
   padded_G = -(-groups_G // m) * m
   padded_start_G = jnp.cumsum(padded_G) - padded_G
   rank_N = _place_in_run(key_N, key_N, jnp.cumsum(groups_G) - groups_G)
