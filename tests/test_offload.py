@@ -117,14 +117,20 @@ def test_streamed_weights_come_to_the_device_inside_the_layer_loop(remat):
 
 def test_offloaded_optimizer_state_comes_to_the_device_for_the_update_and_back():
   """With `offload.optimizer` every leaf of the state on the host is placed on
-  the device as it enters the step, and as many computed values go back to
-  the host (jax's own output annotations aside); nothing moves in a loop."""
+  the device once a step: the master weights as the step starts, the optimizer
+  state only past a barrier with the gradients (so the forward and backward
+  run without it on the device); as many computed values go back to the host
+  (jax's own output annotations aside); nothing moves in a loop."""
   cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "offload.optimizer": True})
   found, state = gpu_placements(cfg)
   on_host = {i for i, x in enumerate(jax.tree.leaves(state))
              if x.sharding.memory_kind == "pinned_host"}
+  moments = {id(x) for x in jax.tree.leaves(state.opt_state)}
+  optimizer_state = {i for i, x in enumerate(jax.tree.leaves(state)) if id(x) in moments}
   assert len(on_host) == len(jax.tree.leaves((state.params, state.opt_state)))
   assert {p.parameter for p in found if p.memory == "device"} - {None} == on_host
+  assert {p.parameter for p in found if p.memory == "device" and p.after_barrier} == (
+      optimizer_state & on_host)
   moved_back = [p for p in found if p.memory == "pinned_host" and p.parameter is None
                 and not p.replaced]
   assert len(moved_back) == len(on_host)

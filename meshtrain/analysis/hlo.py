@@ -664,6 +664,8 @@ class Placement:
   executions: int            # per program run: loops times their trip counts
   parameter: int | None      # the program's argument it places, if it places one as it came
   replaced: bool             # its value was placed just before (jax's own output annotation)
+  after_barrier: bool        # it passed an optimization barrier: placed no earlier than the
+                             # barrier's other operands are computed
 
 
 def _is_placement(inst: _Instruction) -> bool:
@@ -678,22 +680,33 @@ def placements(program: str | _HasText) -> list[Placement]:
   module = _parse_module(_hlo_text(program))
   executions = _executions(module)
 
-  def source(inst: _Instruction) -> _Instruction:
-    """The value a placement's operand is, through layout annotations."""
-    while inst.opcode == "custom-call" and 'custom_call_target="Sharding"' in inst.attributes:
-      inst = module.by_name[(inst.computation, inst.operands[0])]
-    return inst
+  def source(inst: _Instruction) -> tuple[_Instruction, bool]:
+    """The value a placement's operand is, through layout annotations and
+    optimization barriers, and whether it passed a barrier."""
+    barrier = False
+    while True:
+      if inst.opcode == "custom-call" and 'custom_call_target="Sharding"' in inst.attributes:
+        inst = module.by_name[(inst.computation, inst.operands[0])]
+        continue
+      tuple_of = module.by_name.get((inst.computation, inst.operands[0])) if inst.operands else None
+      if (inst.opcode == "get-tuple-element" and tuple_of is not None
+          and tuple_of.opcode == "opt-barrier"):
+        elements = module.by_name[(inst.computation, tuple_of.operands[0])]
+        index = int(re.search(r"index=(\d+)", inst.attributes).group(1))
+        inst, barrier = module.by_name[(inst.computation, elements.operands[index])], True
+        continue
+      return inst, barrier
 
   found = []
   for inst in filter(_is_placement, module.instructions()):
     memory = re.search(r'_xla_buffer_placement="?(\w+)', inst.attributes).group(1)
     runs = executions[inst.computation]
     dims = re.search(r"\[([\d,]*)\]", inst.shape).group(1)
-    value = source(module.by_name[(inst.computation, inst.operands[0])])
+    value, barrier = source(module.by_name[(inst.computation, inst.operands[0])])
     parameter = (int(value.operands[0]) if value.opcode == "parameter"
                  and value.computation == module.entry else None)
     found.append(Placement(memory, tuple(_ints(dims)), runs.in_loop, runs.count, parameter,
-                           _is_placement(value)))
+                           _is_placement(value), barrier))
   return found
 
 

@@ -207,12 +207,17 @@ def train_step(program: Program, state: TrainState, batch: Batch
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One step: `(state, batch) -> (new state, metrics)`."""
   options = program.options
-  if program.offloaded:  # offloaded state comes to the device
-    state = dataclasses.replace(state, **jax.device_put(
-        {"params": state.params, "opt_state": state.opt_state},
-        {"params": program.compute.params, "opt_state": program.compute.opt_state}))
+  if program.offloaded:  # offloaded weights come to the device for the forward
+    state = dataclasses.replace(state, params=jax.device_put(state.params,
+                                                             program.compute.params))
   # Weighed once, whole: each microbatch's and replica's share of the mean loss.
   loss, stats, grads = gradients(program, state, with_loss_weights(batch))
+  if program.offloaded:
+    # The optimizer state comes for the update alone: the barrier ties its
+    # placement to the gradients, so the forward and backward run without it.
+    grads, opt_state = jax.lax.optimization_barrier((grads, state.opt_state))
+    state = dataclasses.replace(state, opt_state=jax.device_put(opt_state,
+                                                                program.compute.opt_state))
   if options.streamed:  # the update runs on the device
     state = dataclasses.replace(state, params=jax.device_put(state.params,
                                                              program.on_device.params))
