@@ -30,6 +30,8 @@ from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
 from meshtrain.train import resume
 from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
+from meshtrain.train.parallelize import from_stage_slots
+from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import build
 
 # The args ml_collections reads the --config.KEY overrides from: this command's
@@ -304,8 +306,8 @@ def export_hf_command(argv: list[str]) -> None:
   exporter.check_target(_TO.value)
   cfg, step = _saved_run()
   setup = build(cfg)
-  params = saved_run.load_params(_WORKDIR.value, step, setup.spec.abstract_params,
-                                 setup.shardings.params)
+  params = from_stage_slots(cfg, read_saved(saved_run.load_params, _WORKDIR.value, step, cfg,
+                                            setup.spec.abstract_params, setup.shardings.params))
   files = exporter.export_hf(cfg, params, _WORKDIR.value, _TO.value, dtype=_DTYPE.value,
                              max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
   if jax.process_index() == 0:

@@ -87,6 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_h2
   c.pipeline.microbatches = 4       # per step; divides global_batch / (data * fsdp)
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
+  c.pipeline.stage_layers = ""      # uneven stages: layers per chunk in model order, e.g. "7,8,8,7" ("": even)
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"        # adamw | sgd | lion | adafactor (optax)

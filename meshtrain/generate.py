@@ -27,6 +27,7 @@ from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.models.llama import Llama
 from meshtrain.models.rope import rotary
+from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import Setup
 
 CACHE_NAMES = (r.LAYERS, r.BATCH, None, r.ACT_KV_HEADS, r.HEAD_DIM)  # [layer, B, T, K, H]
@@ -211,7 +212,8 @@ def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str],
 def from_workdir(workdir, step: int, setup: Setup, eos_id: int | None) -> Generator:
   """A generator with the weights of checkpoint `step` of `workdir` on `setup`'s mesh."""
   shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
-  params = saved_run.load_params(workdir, step, setup.spec.abstract_params, shardings)
-  model_state = saved_run.load_model_state(workdir, step, setup.abstract_state().model_state,
-                                           setup.shardings.model_state)
+  params = read_saved(saved_run.load_params, workdir, step, setup.cfg,
+                      setup.spec.abstract_params, shardings)
+  model_state = read_saved(saved_run.load_model_state, workdir, step, setup.cfg,
+                           setup.abstract_state().model_state, setup.shardings.model_state)
   return Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id, model_state)

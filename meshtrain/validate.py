@@ -132,7 +132,7 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                    "set config.grad_dtype=float32"),
     **{f"pipeline.{name}": (lambda c, sizes: sizes and sizes["pipeline"] == 1,
                             "mesh.pipeline is 1, so no pipeline runs; set config.mesh.pipeline > 1")
-       for name in ("schedule", "microbatches", "virtual_stages")},
+       for name in ("schedule", "microbatches", "virtual_stages", "stage_layers")},
     **{key: (lambda c, sizes: not c.model.moe.num_experts,
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__

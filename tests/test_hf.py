@@ -30,6 +30,8 @@ from meshtrain.hf.load import load_params
 from meshtrain.hf.weights import hf_weights
 from meshtrain.models.patterns import path_string
 from meshtrain.train.loop import train
+from meshtrain.train.parallelize import from_stage_slots
+from meshtrain.train.relayout import read_saved
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import build
 
@@ -59,9 +61,10 @@ def save_tokenizer(directory):
 def save_hf_llama(directory, seed=0, **changes):
   """A random LlamaForCausalLM written by transformers' save_pretrained, with a tokenizer."""
   torch.manual_seed(seed)
-  cfg = transformers.LlamaConfig(
-      vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
-      intermediate_size=64, rms_norm_eps=1e-5, initializer_range=0.2, **changes)
+  cfg = transformers.LlamaConfig(**{
+      **dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, initializer_range=0.2),
+      **changes})
   model = transformers.LlamaForCausalLM(cfg).eval()
   model.save_pretrained(directory)
   save_tokenizer(Path(directory))
@@ -265,6 +268,34 @@ def meshtrain(command, *args, cwd):
 
 
 @pytest.mark.slow
+def test_uneven_stages_import_and_export_bit_for_bit(tmp_path):
+  """Three layers on two stages, "2,1" (the layers in the pipeline's slots):
+  the import puts each HF layer in its slot and zeros in the empty one; the
+  export of that checkpoint, read on its own layout, on another and on no
+  pipeline, gives the HF tensors back bit for bit."""
+  source = tmp_path / "hf"
+  save_hf_llama(source, num_hidden_layers=3, **CASES["untied_gqa"])
+  uneven = {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.stage_layers": "2,1"}
+  imported = import_hf(micro_config(**uneven, **{"model.num_layers": 3}), source,
+                       tmp_path / "imported")
+  expected = safetensors.numpy.load_file(source / "model.safetensors")
+  for layout in (uneven, {"mesh.data": 4, "mesh.pipeline": 2, "pipeline.stage_layers": "1,2"},
+                 {"mesh.data": 8, "mesh.pipeline": 1, "pipeline.stage_layers": ""}):
+    cfg = saved_run.load_config(imported, layout)
+    setup = build(cfg)
+    slotted = read_saved(saved_run.load_params, imported, 0, cfg, setup.spec.abstract_params,
+                         setup.shardings.params)
+    if layout is uneven:  # slots [stage 0: layers 0, 1 | stage 1: layer 2, empty]
+      assert not any(np.any(np.asarray(x)[3]) for x in jax.tree.leaves(slotted["layers"]))
+    params = from_stage_slots(cfg, slotted)
+    out = tmp_path / f"exported{cfg.pipeline.stage_layers}"
+    export_hf(cfg, params, imported, out)
+    got = safetensors.numpy.load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+      np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+
+
 def test_import_and_export_commands(good_hf_dir, tmp_path):
   """Import on two processes of four devices (each reads only its devices'
   blocks), export from one: the tensors come back bit for bit."""

@@ -28,6 +28,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models.layers import MLP
 from meshtrain.models.moe import MoE, MoEConfig, update_bias
 from meshtrain.parallel import experts
+from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 from meshtrain.workdir import load_model_state
@@ -374,7 +375,11 @@ PIPELINED.update({
         pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
     "pipeline=2 data=2 tensor=2 accumulate 2, switch loss": dict(
         mesh=dict(data=2, pipeline=2, tensor=2), expert_parallel="", grad_accum_steps=2,
-        pipeline=dict(microbatches=2), model=dict(moe=dict(aux_loss_coef=0.01)))})
+        pipeline=dict(microbatches=2), model=dict(moe=dict(aux_loss_coef=0.01))),
+    "pipeline=2 fsdp=4 uneven stages, bias balancing, switch loss": dict(
+        mesh=dict(data=1, pipeline=2, fsdp=4), expert_parallel="",
+        pipeline=dict(stage_layers="3,1"), model=dict(num_layers=4, moe=dict(
+            aux_loss_coef=0.01, bias_update_rate=0.01)))})
 
 
 @pytest.mark.parametrize("case", tiered(PIPELINED, ("pipeline=2 fsdp=4 zb_h1",)))
@@ -391,7 +396,7 @@ def test_moe_in_the_pipeline_matches_the_step_without_it(case):
   # Without the pipeline, accumulating over the same microbatches: a switch
   # loss is a function of the tokens one forward routes.
   flat = cfg.copy_and_resolve_references()
-  flat.mesh.pipeline = 1
+  flat.mesh.pipeline, flat.pipeline.stage_layers = 1, ""
   flat.grad_accum_steps *= cfg.pipeline.microbatches
   runs = {}
   for name, c, devices in (("pipeline", cfg, 8), ("flat", flat, 8 // cfg.mesh.pipeline)):
@@ -401,7 +406,7 @@ def test_moe_in_the_pipeline_matches_the_step_without_it(case):
     for batch in batches:
       state, m = setup.train_step(state, jax.device_put(batch, setup.train_step.batch_sharding))
       metrics.append({k: float(v) for k, v in m.items()})
-    runs[name] = metrics, jax.device_get(state.params)
+    runs[name] = metrics, jax.device_get(from_stage_slots(c, state.params))
   for got, want in zip(runs["pipeline"][0], runs["flat"][0]):
     for key in ("loss", "moe_aux_loss", "moe_load_max_over_mean"):
       assert got[key] == pytest.approx(want[key], rel=1e-5), key

@@ -16,6 +16,7 @@ from reference import random_batches
 from meshtrain.analysis import hlo
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.loss import cross_entropy
+from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.pipelined import pipelined_loss
 from meshtrain.train.setup import build
 
@@ -41,6 +42,15 @@ CASES = {
         mesh=dict(data=1, pipeline=2, sequence=2, tensor=2), zero_stage=3,
         attention=dict(sequence_strategy="ulysses"), model=dict(num_layers=4),
         pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
+    # Uneven stages (Llama 3 405B's shape: a layer fewer on the first and last).
+    "pipeline=4 data=2 uneven 1,2,2,1 zb_h2 remat=selective": dict(
+        mesh=dict(data=2, pipeline=4), model=dict(num_layers=6), remat="selective",
+        pipeline=dict(schedule="zb_h2", stage_layers="1,2,2,1")),
+    "pipeline=2 fsdp=2 tensor=2 uneven interleaved zero3 accumulate 2 tied": dict(
+        mesh=dict(data=1, fsdp=2, pipeline=2, tensor=2), zero_stage=3, grad_accum_steps=2,
+        model=dict(num_layers=5, tie_embeddings=True),
+        pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2,
+                      stage_layers="1,2,1,1")),
 }
 
 
@@ -59,7 +69,8 @@ def test_forward_only_pipelined_loss_matches_the_plain_model():
   setup = build(cfg)
   params = setup.init_state().params
   (batch,) = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size, seed=3)
-  loss_fn = pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
+  loss_fn = pipelined_loss(setup.spec, cfg.pipeline, stage_layout(cfg), setup.mesh,
+                           setup.rules)
   with jax.set_mesh(setup.mesh), nnx.logical_axis_rules(setup.rules.params):
     lowered = jax.jit(loss_fn).lower(params, jax.device_put(batch, setup.train_step.batch_sharding))
     compiled = lowered.compile()

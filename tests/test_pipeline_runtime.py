@@ -18,6 +18,7 @@ from meshtrain.mesh import AXES, make_mesh
 from meshtrain.models.llama import Llama, positions
 from meshtrain.parallel.pipeline import runtime
 from meshtrain.parallel.pipeline import schedule as sched
+from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.parallelize import model_config
 
@@ -70,17 +71,29 @@ def mesh_of(**sizes):
   return make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values())))])
 
 
-def executor(schedule, mesh, num_layers, batch_axes=()):
+def counted(fns):
+  """The pieces with a layer that reports each run: {"runs": 1}."""
+  def layer_fn(p, x_BxLxD, aux):
+    return fns["layer_fn"](p, x_BxLxD, aux)[0], {"runs": jnp.ones((), jnp.float32)}
+  return {**fns, "layer_fn": layer_fn}
+
+
+def executor(schedule, mesh, num_layers, batch_axes=(), layout=None):
   fns = llama(num_layers)[0]
+  if layout is not None:
+    fns = counted(fns)
   return jax.jit(lambda p, i, t: runtime.pipeline_loss_and_grads(
       schedule, mesh, **fns, params=p, microbatches={"inputs": i, "targets": t},
-      batch_axes=batch_axes))
+      batch_axes=batch_axes, layout=layout))
 
 
-def run_sharded(schedule, mesh, num_layers, batch, batch_axes=()):
+def run_sharded(schedule, mesh, num_layers, batch, batch_axes=(), layout=None):
   """Places params and batch by the mesh's rules and runs the executor with
-  those rules in force (minus the manual batch axes) inside the model."""
+  those rules in force (minus the manual batch axes) inside the model; with
+  a `layout`, the layers in its slots (and each layer counting its runs)."""
   _, params, names, _ = llama(num_layers)
+  if layout is not None:
+    params = {**params, "layers": layout.to_slots(params["layers"])}
   rules = r.compose(*(r.AXIS_RULES[a] for a in AXES if mesh.shape[a] > 1))
   params = jax.device_put(params, r.tree_shardings(names, mesh, rules))
   batch_spec = PartitionSpec(None, *r.logical_to_spec((r.BATCH, r.LENGTH), rules))
@@ -88,7 +101,8 @@ def run_sharded(schedule, mesh, num_layers, batch, batch_axes=()):
   model_rules = tuple((name, tuple(a for a in axes if a not in batch_axes))
                       for name, axes in rules)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(model_rules):
-    compiled = executor(schedule, mesh, num_layers, batch_axes).lower(params, *batch).compile()
+    compiled = executor(schedule, mesh, num_layers, batch_axes, layout).lower(
+        params, *batch).compile()
     return compiled(params, *batch), compiled
 
 
@@ -112,6 +126,27 @@ def test_schedules_match_plain_gradients(name, num_chunks):
   schedule = sched.build(name, 4, 4, num_chunks)
   got, _ = run_sharded(schedule, mesh_of(pipeline=4, data=2), 4 * num_chunks, BATCH)
   assert_matches(got, reference(4 * num_chunks))
+
+
+@pytest.mark.parametrize("name,counts", [
+    ("1f1b", (1, 3, 2, 1)), pytest.param("gpipe", (2, 1, 1, 3), marks=pytest.mark.slow),
+    pytest.param("interleaved_1f1b", (1, 2, 1, 1, 1, 1, 2, 1), marks=pytest.mark.slow),
+    pytest.param("zb_h1", (3, 1, 1, 1), marks=pytest.mark.slow), ("zb_h2", (1, 2, 2, 1))])
+def test_uneven_stages_match_plain_gradients(name, counts):
+  """Chunks of different lengths (`StageLayout`): the gradients of the
+  model's layers are the plain ones, the empty slots get exactly zero, and
+  each layer runs once per microbatch (the empty slots never)."""
+  layout = StageLayout(counts, 4)
+  schedule = sched.build(name, 4, 4, layout.num_chunks)
+  (loss, grads, stats), _ = run_sharded(schedule, mesh_of(pipeline=4, data=2), sum(counts),
+                                        BATCH, layout=layout)
+  live = np.zeros(len(counts) * layout.slots, bool)
+  live[layout.slot_of_layer()] = True
+  np.testing.assert_array_equal(stats["runs"], np.where(live, 4.0, 0.0))
+  for g in jax.tree.leaves(grads["layers"]):
+    assert not np.any(np.asarray(g)[~live])
+  grads = {**grads, "layers": layout.from_slots(grads["layers"])}
+  assert_matches((loss, grads, {}), reference(sum(counts)))
 
 
 def test_manual_data_reduces_gradients_once_after_the_ticks():

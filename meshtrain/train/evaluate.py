@@ -24,9 +24,10 @@ from meshtrain import rules as r
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import ConfigError
-from meshtrain.train import pipelined
+from meshtrain.train import parallelize, pipelined
 from meshtrain.train.loss import counted_tokens, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
+from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import Setup, build
 from meshtrain.workdir import load_model_state, load_params
 
@@ -86,7 +87,9 @@ def _loss_fn(cfg, setup: Setup):
   forward schedule on a pipeline mesh, else the training loss over the step's
   `grad_accum_steps` microbatches in turn."""
   if setup.mesh.shape["pipeline"] > 1:
-    return pipelined.pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
+    return pipelined.pipelined_loss(setup.spec, cfg.pipeline,
+                                    parallelize.stage_layout(cfg), setup.mesh,
+                                    setup.rules)
 
   def microbatched(params, batch, model_state):
     losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch, model_state)[0],
@@ -107,7 +110,8 @@ def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
   """Evaluates the weights of checkpoint `step` in `workdir` on `cfg`'s mesh."""
   setup = build(cfg)
   evaluator = Evaluator(cfg, setup)
-  params = load_params(workdir, step, setup.spec.abstract_params, setup.shardings.params)
-  model_state = load_model_state(workdir, step, jax.eval_shape(setup.spec.init_model_state),
-                                 setup.shardings.model_state)
+  params = read_saved(load_params, workdir, step, cfg, setup.spec.abstract_params,
+                      setup.shardings.params)
+  model_state = read_saved(load_model_state, workdir, step, cfg,
+                           jax.eval_shape(setup.spec.init_model_state), setup.shardings.model_state)
   return {"step": step, **evaluator(params, model_state)}

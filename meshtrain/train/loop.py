@@ -21,7 +21,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models.flops import flops_per_token
 from meshtrain.train.evaluate import evaluator_for
 from meshtrain.train.metrics import MetricsWriter, Throughput
-from meshtrain.train.parallelize import model_config
+from meshtrain.train.parallelize import from_stage_slots, model_config
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
@@ -29,9 +29,14 @@ from meshtrain.train.setup import padded_vocab as rounded_vocab
 from meshtrain.train.watchdog import watchdog_for
 
 
+def model_params(setup: Setup):
+  """The shapes of the model's own weights (without a pipeline's empty slots)."""
+  return from_stage_slots(setup.cfg, setup.spec.abstract_params)
+
+
 def describe(setup: Setup) -> str:
   mesh = setup.mesh
-  params = sum(math.prod(x.shape) for x in jax.tree.leaves(setup.spec.abstract_params))
+  params = sum(math.prod(x.shape) for x in jax.tree.leaves(model_params(setup)))
   shape = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1)
   lines = [f"meshtrain: {params / 1e6:.2f}M parameters on {mesh.size} "
            f"{jax.devices()[0].platform} devices, mesh {shape or 'single device'}"]
@@ -126,7 +131,7 @@ def _train(cfg, watchdog) -> list[dict]:
   workdir.mkdir(parents=True, exist_ok=True)
   _announce(cfg, setup, workdir, origin, first - 1, rows)
   throughput = Throughput(first, cfg.global_batch * cfg.seq_len,
-                          flops_per_token(model_config(cfg), setup.spec.abstract_params,
+                          flops_per_token(model_config(cfg), model_params(setup),
                                           cfg.seq_len), cfg.peak_flops * setup.mesh.size)
   writer = MetricsWriter(workdir, resumed_step=first - 1)
   records = []

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from meshtrain.models import moe
 from meshtrain.models.llama import Llama, LlamaConfig, Slots, default_positions
 from meshtrain.parallel import attention, experts, offload, sequence
+from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.state import ModelSpec, nnx_spec
 
 Batch = dict[str, jax.Array]
@@ -98,8 +99,57 @@ def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
 
 
 def model_spec(cfg, mesh: Mesh) -> ModelSpec:
-  """The Llama of `cfg` with its slots filled for `mesh`."""
-  return llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed)
+  """The Llama of `cfg` with its slots filled for `mesh`, its layers' weights
+  (and state) stored as the pipeline's stage layout holds them."""
+  return in_stage_slots(llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed),
+                        stage_layout(cfg))
+
+
+def stage_layout(cfg) -> StageLayout:
+  """How `config.pipeline` splits the stacked layers (all but an MoE model's
+  leading dense ones) into the chunks of `config.mesh.pipeline` stages; one
+  stage of every layer off a pipeline. ValueError names what does not fit."""
+  moe_cfg = cfg.model.moe
+  stacked = cfg.model.num_layers - (moe_cfg.first_dense_layers if moe_cfg.num_experts else 0)
+  if cfg.mesh.pipeline == 1:
+    return StageLayout((stacked,), 1)
+  return StageLayout.parse(cfg.pipeline.stage_layers, stacked, cfg.mesh.pipeline,
+                           cfg.pipeline.virtual_stages)
+
+
+def _layers_in(restack: Callable):
+  """A params or model-state dict with `restack` applied to its `layers`."""
+  def apply(tree):
+    return {**tree, "layers": restack(tree["layers"])} if tree and "layers" in tree else tree
+  return apply
+
+
+def in_stage_slots(spec: ModelSpec, layout: StageLayout) -> ModelSpec:
+  """`spec` with its layers stored in `layout`'s slots (an uneven layout;
+  `stages.StageLayout`): created there, and its model state moved there
+  after each update from the model's own per-layer counts."""
+  if layout.even_split:
+    return spec
+  slotted, unslotted = _layers_in(layout.to_slots), _layers_in(layout.from_slots)
+
+  def update(model_state, stats):
+    return slotted(spec.update_model_state(unslotted(model_state), stats))
+  return dataclasses.replace(
+      spec, init=lambda: slotted(spec.init()),
+      abstract_params=jax.eval_shape(slotted, spec.abstract_params),
+      init_model_state=lambda: slotted(spec.init_model_state()),
+      update_model_state=update if spec.update_model_state else None)
+
+
+def from_stage_slots(cfg, tree):
+  """The model's own weights or model state (or their shapes) from the
+  state's: the layers out of the pipeline's slots (`in_stage_slots`)."""
+  layout = stage_layout(cfg)
+  if layout.even_split:
+    return tree
+  unslotted = _layers_in(layout.from_slots)
+  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+  return jax.eval_shape(unslotted, tree) if abstract else unslotted(tree)
 
 
 def _as_it_comes(batch: Batch) -> Batch:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.models.llama import REMAT_POLICIES, default_positions, run_layers
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
+from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.loss import cross_entropy, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec, merged
@@ -83,9 +84,10 @@ def _with_positions(batch: dict) -> dict:
   return {**batch, "positions": default_positions(batch["inputs"], batch.get("segment_ids"))}
 
 
-def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
+def _executor(spec, pipeline_cfg, layout, mesh, rules, remat, schedule, replicas=False):
   """(params, batch, model state) -> (loss, counts, grads or None) of one
-  pipelined batch; with
+  pipelined batch, the layers' weights and gradients in `layout`'s slots, its
+  counts per layer of the model; with
   `replicas`, local SGD's: params lead with a replica dimension over `data`,
   each replica trains on its rows, loss and grads come back per replica."""
   pieces, tied = _pieces(spec, remat)
@@ -109,7 +111,9 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
       loss, grads, stats = runtime.pipeline_loss_and_grads(
           schedule, mesh, **pieces, params=pieces_params, microbatches=microbatches,
           batch_axes=batch_axes, length_axis=length_axis,
-          replica_axis="data" if replicas else None)
+          replica_axis="data" if replicas else None, layout=layout)
+    stats = jax.tree.map(jax.vmap(layout.from_slots), stats) if replicas else layout.from_slots(
+        stats)
     if grads is None:
       return loss, stats, None
     embed_g = grads["embed"]["embed"]
@@ -121,17 +125,18 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False):
   return run
 
 
-def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
-                             remat: str, grad_accum_steps: int = 1,
+def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, layout: StageLayout, mesh: Mesh,
+                             rules: r.ShardingRules, remat: str, grad_accum_steps: int = 1,
                              replicas: bool = False) -> GradsFn:
-  """(params, batch, model state) -> (mean loss, {}, float32 grads), `batch`
+  """(params, batch, model state) -> (mean loss, counts, float32 grads), the
+  layers' weights and gradients in `layout`'s slots (`parallelize.in_stage_slots`); `batch`
   split into `grad_accum_steps` parts run one after another (a larger batch
   at the memory of one), each through the pipeline in
   `pipeline_cfg.microbatches` microbatches. With `replicas`, of every local
   SGD replica at once ([R] losses, [R, ...] grads; see `_executor`)."""
   schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
                              pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
-  run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas)
+  run = _executor(spec, pipeline_cfg, layout, mesh, rules, remat, schedule, replicas)
   if grad_accum_steps == 1:
     return run
 
@@ -147,7 +152,8 @@ def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r
   return accumulated
 
 
-def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules) -> LossFn:
+def pipelined_loss(spec: ModelSpec, pipeline_cfg, layout: StageLayout, mesh: Mesh,
+                   rules: r.ShardingRules) -> LossFn:
   """(params, batch, model state) -> mean loss, forward only (evaluation on a pipeline
   mesh): GPipe's forward wave, nothing stashed for a backward. `batch` holds
   `inputs`, `targets` and optionally `segment_ids`, `positions` ([B, L]),
@@ -155,5 +161,5 @@ def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingR
   the mesh and `rules.params` like the train step."""
   schedule = schedules.forward_only(mesh.shape["pipeline"], pipeline_cfg.microbatches,
                                     pipeline_cfg.virtual_stages)
-  run = _executor(spec, pipeline_cfg, mesh, rules, "none", schedule)
+  run = _executor(spec, pipeline_cfg, layout, mesh, rules, "none", schedule)
   return lambda params, batch, model_state=None: run(params, batch, model_state)[0]

@@ -14,7 +14,10 @@ from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
 from meshtrain.hf.load import check_model, load_params
+from meshtrain.parallel.pipeline.stages import StageLayout
+from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
+from meshtrain.train.relayout import Relayout, saved_layout
 from meshtrain.train.setup import Setup, build
 from meshtrain.train.state import TrainState
 
@@ -52,7 +55,10 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
       return setup.init_state(), own or _own(cfg), "initialized"
     if source is own and not cfg.checkpoint.allow_changes:
       _check_unchanged(own, step, cfg)
-    state = source.restore(step, setup.shardings, setup.abstract_state(), batches, cfg)
+    relayout = Relayout(saved_layout(source.saved_config(step)), stage_layout(cfg))
+    abstract, shardings = relayout.as_saved(setup.abstract_state(), setup.shardings)
+    state = relayout.moved(source.restore(step, shardings, abstract, batches, cfg),
+                           setup.shardings)
   except Exception:
     for checkpoints in {own, source} - {None}:
       checkpoints.close()
@@ -106,7 +112,10 @@ def _own(cfg) -> Checkpoints:
 def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
   """The train state at step 0 with the weights of the Hugging Face model in
   `directory`, each device reading only its shards (`key` names the flag)."""
-  params = load_params(directory, setup.spec.abstract_params, setup.shardings.params, key=key)
+  own = stage_layout(setup.cfg)  # the model's layers are one stack there
+  relayout = Relayout(StageLayout((own.num_layers,), 1), own)
+  params = relayout.moved(load_params(directory, *relayout.as_saved(
+      setup.spec.abstract_params, setup.shardings.params), key=key), setup.shardings.params)
 
   def create(params):
     return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params),

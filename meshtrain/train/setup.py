@@ -13,6 +13,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models import moe as moe_lib
 from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
+from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train import local_sgd, parallelize, precision
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.precision import initial_loss_scale
@@ -169,12 +170,20 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
   _check_choice("config.pipeline.schedule", cfg.pipeline.schedule, schedules.SCHEDULE_NAMES)
   moe = cfg.model.moe
   dense = moe.first_dense_layers if moe.num_experts else 0  # these run on stage 0, before the rest
-  if (cfg.model.num_layers - dense) % (p * v):
+  stacked = cfg.model.num_layers - dense
+  if not cfg.pipeline.stage_layers.strip() and stacked % (p * v):
+    uneven = StageLayout.balanced(stacked, p, v).counts
     raise ConfigError("config.model.num_layers",
-                      f"{cfg.model.num_layers - dense} layers"
-                      + (f" (after the {dense} leading dense ones)" if dense else "")
-                      + f" do not split into config.mesh.pipeline={p} stages x "
-                      f"config.pipeline.virtual_stages={v} chunks")
+                      f"{stacked} layers" + (f" (after the {dense} leading dense ones)" if dense
+                                             else "")
+                      + f" do not split evenly into config.mesh.pipeline={p} stages x "
+                      f"config.pipeline.virtual_stages={v} chunks"
+                      + (f"; split them unevenly with config.pipeline.stage_layers, e.g. "
+                         f"\"{','.join(map(str, uneven))}\"" if min(uneven) else ""))
+  try:
+    parallelize.stage_layout(cfg)
+  except ValueError as error:
+    raise ConfigError("config.pipeline.stage_layers", str(error)) from None
   rows = cfg.global_batch // replicas
   if rows % (m * cfg.grad_accum_steps):
     raise ConfigError("config.pipeline.microbatches",
@@ -232,7 +241,8 @@ def build(cfg, devices=None) -> Setup:
   def loss_fn(params, batch, model_state):
     return model_loss(merged(spec, params, model_state), order(batch))
 
-  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
+  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, parallelize.stage_layout(cfg),
+                                       mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps,
                                        replicas=bool(cfg.local_sgd.inner_steps))
               if mesh.shape["pipeline"] > 1 else None)

@@ -55,6 +55,7 @@ from jax.sharding import Mesh, PartitionSpec
 from meshtrain.jax_internals import varying_axes
 from meshtrain.parallel.pipeline.schedule import B, F, SLOT_FIELDS, W, Schedule
 from meshtrain.parallel.pipeline.split import SplitVjp, split_vjp
+from meshtrain.parallel.pipeline.stages import StageLayout
 
 AXIS = "pipeline"
 # The named scopes of a tick's conditionals (in the compiled program's op names).
@@ -190,8 +191,9 @@ class Stage:
   num_stages: int
   num_chunks: int
   embed_p: Any
-  layers_VxLc: Any  # this stage's chunks, [V, Lc, ...] leaves
-  num_layers: int   # Lc, layers per chunk
+  layers_VxLc: Any  # this stage's chunks, [V, Lc, ...] leaves (Lc slots)
+  num_layers: int   # Lc, layer slots per chunk
+  layer_counts: jax.Array | None  # [V, P] layers of each chunk, when not all Lc
   head_p: Any
   inputs: jax.Array  # [M, B, L]
   aux: dict          # the other [M, B, L] arrays
@@ -218,6 +220,17 @@ class Stage:
     """Layer l of chunk v's weights."""
     return _at(self.layers_VxLc, v, l)
 
+  def over_layers(self, op, body: Callable, carry, reverse: bool = False):
+    """`carry` after `body(carry, l)` for each layer l of the op's chunk, the
+    last first with `reverse`: a scan over the Lc slots where every chunk
+    fills them, else a loop over the chunk's own layers (a stage with fewer
+    runs fewer)."""
+    if self.layer_counts is None:
+      return lax.scan(lambda c, l: (body(c, l), None), carry, jnp.arange(self.num_layers),
+                      reverse=reverse)[0]
+    count = self.layer_counts[op["chunk"], self.index]
+    return lax.fori_loop(0, count, lambda i, c: body(c, count - 1 - i if reverse else i), carry)
+
   def chunk_forward(self, op, x, aux, state: dict) -> tuple[jax.Array, dict]:
     """The chunk's layers on x, each layer's residuals written straight into
     the op's `res` slot and its counts added into its sums."""
@@ -231,8 +244,8 @@ class Stage:
       else:
         y, stats = self.layer_fn(p, x, aux)
       stats = _varying(stats, self.manual)
-      return (y, {**state, "stats": _add_at(state["stats"], (v, l), stats)}), None
-    return lax.scan(body, (x, state), jnp.arange(self.num_layers))[0]
+      return y, {**state, "stats": _add_at(state["stats"], (v, l), stats)}
+    return self.over_layers(op, body, (x, state))
 
   def forward(self, op, state: dict) -> dict:
     """F: the chunk on its input (the embedding's output on chunk 0), its
@@ -278,8 +291,8 @@ class Stage:
         dy, state = carry
         dx, cut = self.layer.backward_input(self.layer_weights(op["chunk"], l), aux,
                                             _at(state["res"], op["res_slot"], l), dy)
-        return (dx, {**state, "cut": _write(state["cut"], (op["cut_slot"], l), cut)}), None
-      dx, state = lax.scan(body, (dy, state), jnp.arange(self.num_layers), reverse=True)[0]
+        return dx, {**state, "cut": _write(state["cut"], (op["cut_slot"], l), cut)}
+      dx, state = self.over_layers(op, body, (dy, state), reverse=True)
 
       def into_embedding(state):
         _, vjp = jax.vjp(lambda p: self.embed_fn(p, self.inputs[op["mb"]], aux), self.embed_p)
@@ -299,8 +312,8 @@ class Stage:
         g = self.layer.backward_weight(self.layer_weights(v, l), aux,
                                        _at(state["res"], op["res_slot"], l),
                                        _at(state["cut"], op["cut_slot"], l))
-        return _add_at(layers_g, (v, l), g), None
-      layers_g = lax.scan(body, state["layers_g"], jnp.arange(self.num_layers))[0]
+        return _add_at(layers_g, (v, l), g)
+      layers_g = self.over_layers(op, body, state["layers_g"])
       state = {**state, "layers_g": layers_g}
 
       def head(state):
@@ -372,8 +385,8 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
           **_varying({k: _zeros(v, dtype=jnp.float32) for k, v in sums.items()}, stage.manual)}
 
 
-def _run(schedule: Schedule, pieces: dict, split_axes: tuple[str, ...], manual: tuple[str, ...],
-         scale: float, embed_p, layers_VxLc, head_p, microbatches: dict):
+def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tuple[str, ...],
+         manual: tuple[str, ...], scale: float, embed_p, layers_VxLc, head_p, microbatches: dict):
   """One device's share of the pipeline: (loss, grads, its layers' counts)
   summed over its stage (gradients None for a forward-only table)."""
   microbatches = _varying(microbatches, (AXIS,))  # every stage has them, typed like activations
@@ -382,7 +395,8 @@ def _run(schedule: Schedule, pieces: dict, split_axes: tuple[str, ...], manual: 
   x_struct = jax.eval_shape(pieces["embed_fn"], embed_p, microbatches["inputs"][0],
                             _take(aux, 0))
   stage = Stage(lax.axis_index(AXIS), schedule.num_stages, schedule.num_chunks, embed_p,
-                layers_VxLc, jax.tree.leaves(layers_VxLc)[0].shape[1], head_p,
+                layers_VxLc, layout.slots,
+                None if layout.even_split else jnp.asarray(layout.counts_VxP()), head_p,
                 microbatches["inputs"], aux, **pieces, scale=scale,
                 zeros_x=_varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual),
                 manual=manual)
@@ -410,10 +424,14 @@ def _run(schedule: Schedule, pieces: dict, split_axes: tuple[str, ...], manual: 
                 "head": lax.psum(state["head_g"], summed)}, stats
 
 
-def _check(schedule: Schedule, mesh: Mesh, microbatches: dict[str, jax.Array]) -> None:
+def _check(schedule: Schedule, layout: StageLayout, mesh: Mesh,
+           microbatches: dict[str, jax.Array]) -> None:
   if mesh.shape[AXIS] != schedule.num_stages:
     raise ValueError(f"schedule has {schedule.num_stages} stages but the mesh has "
                      f"pipeline={mesh.shape[AXIS]}")
+  if (layout.num_stages, layout.num_chunks) != (schedule.num_stages, schedule.num_chunks):
+    raise ValueError(f"the layout has {layout.num_stages} stages x {layout.num_chunks} chunks, "
+                     f"the schedule {schedule.num_stages} x {schedule.num_chunks}")
   leading = {key: x.shape[0] for key, x in microbatches.items()}
   if set(leading.values()) != {schedule.num_microbatches}:
     raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the "
@@ -428,7 +446,8 @@ def pipeline_loss_and_grads(
     params: dict[str, Any], microbatches: dict[str, jax.Array],
     batch_axes: Sequence[str] = (),
     length_axis: str | None = None,
-    replica_axis: str | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
+    replica_axis: str | None = None,
+    layout: StageLayout | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
   """Mean loss over the M microbatches and its gradients, run by `schedule`.
 
   Args:
@@ -439,7 +458,8 @@ def pipeline_loss_and_grads(
     embed_fn, layer_fn, loss_fn: the model in three pieces (module docstring).
     params: {"embed": ..., "layers": ..., "head": ...} pytrees. `layers`
       leaves stack P*V*Lc layers on a leading axis; chunk c = v*P + s (on
-      stage s) is layers [c*Lc, (c+1)*Lc) (`to_stages`). `embed` and `head`
+      stage s) is layers [c*Lc, (c+1)*Lc) (`to_stages`); with an uneven
+      `layout`, its P*V*Lc slots (`layout.to_slots`). `embed` and `head`
       are replicated over `pipeline`.
     microbatches: {"inputs": [M, B, L], ...}: every key but "inputs" reaches
       layer_fn and loss_fn as `aux`; replicated over `pipeline`, B may be
@@ -458,6 +478,8 @@ def pipeline_loss_and_grads(
       SGD's `data`): every params leaf leads with a replica dimension split
       over it, B is split over it too, and the loss and gradients come back
       per replica ([R] and [R, ...]), never summed over it.
+    layout: how many layers each chunk runs (`stages.StageLayout`); None:
+      the even split of the `layers` leaves.
 
   Returns:
     (loss, grads, stats): float32, grads shaped like params. Embed and head
@@ -465,17 +487,20 @@ def pipeline_loss_and_grads(
     stage 0, resp. P-1, has a nonzero one): one all-reduce per step instead of
     a collective per tick, and none inside a branch that only some stages
     take. `stats`: each layer's counts summed over the microbatches, stacked
-    like the layers ([P*V*Lc, ...] leaves).
+    like the layers ([P*V*Lc, ...] leaves, the layout's slots).
   """
-  _check(schedule, mesh, microbatches)
   # Axes that split the microbatch but no weight: each device sums its own gradients.
   split_axes = (*batch_axes, *([length_axis] if length_axis else []))
   replica = (replica_axis,) if replica_axis else ()
+  if layout is None:
+    layers = jax.tree.leaves(params["layers"])[0].shape[len(replica)]
+    layout = StageLayout.even(layers, schedule.num_stages, schedule.num_chunks)
+  _check(schedule, layout, mesh, microbatches)
   manual = (AXIS, *split_axes, *replica)
   # Each device's loss is the mean over its equal share of a microbatch.
   scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
-  run = functools.partial(_run, schedule, dict(embed_fn=embed_fn, layer_fn=layer_fn,
-                                               loss_fn=loss_fn), split_axes, manual, scale)
+  run = functools.partial(_run, schedule, layout, dict(embed_fn=embed_fn, layer_fn=layer_fn,
+                                                       loss_fn=loss_fn), split_axes, manual, scale)
 
   def device(embed_p, layers_Vx1xLc, head_p, microbatches):
     if replica:  # this device's replica

@@ -1,0 +1,89 @@
+"""A saved state's layer stacks moved into the stage layout of the run that reads it.
+
+An uneven pipeline stores the layers in its stage layout's slots
+(`parallelize.in_stage_slots`), so the layer stacks of a checkpoint (the
+weights, the optimizer's moments of them, the MoE biases) have the shape of
+the layout that saved it. A run on another layout (other stage layers,
+another pipeline or none) reads them at their saved shape, whole over the
+layer axis (each device holds every layer of its shards while they move),
+and moves them: out of the saved slots into the model's layers, into its own.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.config import get_config
+from meshtrain.errors import reading
+from meshtrain.parallel.pipeline.stages import StageLayout
+from meshtrain.train.parallelize import stage_layout
+
+
+def saved_layout(saved_config: dict) -> StageLayout:
+  """The stage layout of a run saved with `saved_config` (its keys over the
+  defaults, as `workdir.load_config` reads it)."""
+  cfg = get_config()
+  cfg.update(saved_config)
+  return stage_layout(cfg)
+
+
+def _is_stack(path) -> bool:
+  return any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers" for key in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Relayout:
+  """From the layout a state was saved in to this run's."""
+  saved: StageLayout
+  own: StageLayout
+
+  @property
+  def needed(self) -> bool:
+    return not self.saved.stores_like(self.own)
+
+  def as_saved(self, abstract, shardings):
+    """(abstract, shardings) to read a tree saved in the saved layout: its
+    layer stacks at their saved length, whole over the layer axis."""
+    if not self.needed:
+      return abstract, shardings
+    length = len(self.saved.counts) * self.saved.slots
+
+    def shape(path, x):
+      return jax.ShapeDtypeStruct((length, *x.shape[1:]), x.dtype) if _is_stack(path) else x
+
+    def sharding(path, s):
+      if not _is_stack(path):
+        return s
+      return NamedSharding(s.mesh, PartitionSpec(None, *s.spec[1:]), memory_kind=s.memory_kind)
+    return (jax.tree_util.tree_map_with_path(shape, abstract),
+            jax.tree_util.tree_map_with_path(sharding, shardings))
+
+  def moved(self, tree, shardings):
+    """`tree` (read by `as_saved`) in this run's layout, laid out by `shardings`."""
+    if not self.needed:
+      return tree
+
+    def move(path, x):
+      return self.own.to_slots(self.saved.from_slots(x)) if _is_stack(path) else x
+    return jax.jit(lambda t: jax.tree_util.tree_map_with_path(move, t),
+                   out_shardings=shardings)(tree)
+
+
+def _step_config(workdir, step: int) -> dict:
+  """The config checkpoint `step` of `workdir` was saved with."""
+  path = Path(workdir).absolute() / "checkpoints" / str(step) / "config"
+  with reading("--workdir", path), ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+    return checkpointer.restore(path)
+
+
+def read_saved(read: Callable, workdir, step: int, cfg, abstract, shardings):
+  """`read(workdir, step, abstract, shardings)` (`workdir.load_params` or
+  `load_model_state`) of checkpoint `step` of `workdir`, whatever stage
+  layout saved it, in `cfg`'s."""
+  relayout = Relayout(saved_layout(_step_config(workdir, step)), stage_layout(cfg))
+  tree = read(workdir, step, *relayout.as_saved(abstract, shardings))
+  return None if tree is None else relayout.moved(tree, shardings)
