@@ -77,12 +77,7 @@ def one_device_config(model: str, batch_size: int, seq_len: int, changes: dict):
   cfg.update(global_batch=batch_size, seq_len=seq_len, param_dtype="bfloat16",
              compute_dtype="bfloat16")
   cfg.mesh.data = 1
-  for key, value in changes.items():
-    *sections, name = key.split(".")
-    node = cfg
-    for section in sections:
-      node = node[section]
-    node[name] = value
+  cfg.update_from_flattened_dict(changes)
   return cfg
 
 
