@@ -255,6 +255,11 @@ def verify_config(cfg, steps: int = 2) -> Report:
                       "optimizer on one device, but local SGD trains each `data` replica alone "
                       "until the sync; verify the same mesh with --config.local_sgd.inner_steps=0 "
                       "(tests/test_local_sgd.py checks the sync against DiLoCo written out)")
+  if cfg.model.moe.num_experts and cfg.mesh.pipeline > 1 and cfg.pipeline.stage_layers.strip():
+    raise ConfigError("config.pipeline.stage_layers", "verify runs the plain model on the "
+                      "state's layer slots, and an MoE router routes tokens through the empty "
+                      "ones; verify this mesh with even stages (tests/test_moe.py checks uneven "
+                      "stages against the model without its empty slots)")
   cfg = cfg.copy_and_resolve_references()
   cfg.param_dtype = cfg.compute_dtype = cfg.grad_dtype = "float32"
   cfg.optimizer.warmup_steps = 0

@@ -123,10 +123,16 @@ def _take(tree: Any, i: jax.Array) -> Any:
   return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
 
 
+def _start(index: tuple, ndim: int) -> tuple:
+  """`index` then zeros, as one integer type (a table's int32 beside a loop
+  counter that is int64 where float64 is on)."""
+  return tuple(jnp.asarray(i, jnp.int32) for i in (*index, *(0,) * (ndim - len(index))))
+
+
 def _at(tree: Any, *index: jax.Array) -> Any:
   """Each leaf at `index` of its leading dimensions."""
   def at(x):
-    start = (*index, *(0,) * (x.ndim - len(index)))
+    start = _start(index, x.ndim)
     return lax.dynamic_slice(x, start, (*(1,) * len(index), *x.shape[len(index):])).reshape(
         x.shape[len(index):])
   return jax.tree.map(at, tree)
@@ -142,7 +148,7 @@ def _write(buffers: Any, index: jax.Array | tuple, value: Any) -> Any:
   index = index if isinstance(index, tuple) else (index,)
 
   def write(buffer, x):
-    start = (*index, *(0,) * (buffer.ndim - len(index)))
+    start = _start(index, buffer.ndim)
     return lax.dynamic_update_slice(buffer, x.reshape(*(1,) * len(index), *x.shape).astype(
         buffer.dtype), start)
   return jax.tree.map(write, buffers, value)

@@ -85,7 +85,7 @@ class StageLayout:
     return (self.even_split and other.even_split) or self.counts == other.counts
 
   def counts_VxP(self) -> np.ndarray:
-    return np.asarray(self.counts, np.int32).reshape(self.num_chunks, self.num_stages)
+    return np.asarray(self.counts).reshape(self.num_chunks, self.num_stages)
 
   def slot_of_layer(self) -> np.ndarray:
     """[L]: the slot each layer of the model sits in."""
