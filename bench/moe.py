@@ -95,6 +95,8 @@ def speed(steps: int, rounds: int):
       "meshtrain MoE, fsdp 8, experts over fsdp": Runner(moe),
       "meshtrain MoE, fsdp 8, every expert everywhere": Runner(config(moe={},
                                                                     expert_parallel="")),
+      "meshtrain MoE, fsdp 8, experts over fsdp, capacity 1.25": Runner(
+          config(moe=dict(capacity_factor=1.25))),
       "plain jax dense, batch over 8": PlainRunner(jax.devices(), dense),
       "plain jax loop over experts, batch over 8": PlainRunner(jax.devices(), moe, loop_spec),
   }

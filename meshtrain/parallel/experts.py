@@ -47,6 +47,7 @@ a per-token count summed over the tokens of every device that splits them.
 """
 
 import math
+from collections.abc import Callable
 
 import flax.core.spmd
 import jax
@@ -66,15 +67,23 @@ GEMMS = ("tiled", "ragged_dot")  # `model.moe.grouped_gemm`: how a device runs i
 MAX_TILE = 1024  # the most rows of a tile of the tiled grouped GEMM
 
 
+def _swiglu(x, dot: Callable, w_gate, w_up, w_down) -> jax.Array:
+  """SwiGLU with the matmul `dot(x, w)` (float32 out), its hidden state in x's dtype."""
+  h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_up)).astype(x.dtype)
+  return dot(h, w_down)
+
+
 def _ragged_swiglu(x_NxD: jax.Array, groups_G: jax.Array, w_gate_GxDxF: jax.Array,
                    w_up_GxDxF: jax.Array, w_down_GxFxD: jax.Array) -> jax.Array:
   """Rows of x grouped by expert (`groups_G` rows each, then rows of none) through
   their experts; rows past the groups come out zero."""
-  dtype = x_NxD.dtype
   def dot(x, w):
-    return lax.ragged_dot(x, w.astype(dtype), groups_G, preferred_element_type=jnp.float32)
-  h_NxF = (jax.nn.silu(dot(x_NxD, w_gate_GxDxF)) * dot(x_NxD, w_up_GxDxF)).astype(dtype)
-  return dot(h_NxF, w_down_GxFxD)
+    return lax.ragged_dot(x, w.astype(x.dtype), groups_G, preferred_element_type=jnp.float32)
+  return _swiglu(x_NxD, dot, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+
+
+def _dense_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
@@ -155,16 +164,19 @@ def _tiled_swiglu(x_NxD: jax.Array, key_N: jax.Array, groups_G: jax.Array, w_gat
                                 axis=1), g - 1)
   x_TxMxD = jnp.zeros((tiles * m, d), x_NxD.dtype).at[slot_N].set(x_NxD, mode="drop").reshape(
       tiles, m, d)
-  h_TxMxF = (jax.nn.silu(_tile_product(x_TxMxD, w_gate_GxDxF, group_T))
-             * _tile_product(x_TxMxD, w_up_GxDxF, group_T)).astype(x_NxD.dtype)
-  y_RxD = _tile_product(h_TxMxF, w_down_GxFxD, group_T).reshape(tiles * m, d)
-  return y_RxD.at[slot_N].get(mode="fill", fill_value=0)
+  y_TxMxD = _swiglu(x_TxMxD, lambda x, w: _tile_product(x, w, group_T), w_gate_GxDxF,
+                    w_up_GxDxF, w_down_GxFxD)
+  return y_TxMxD.reshape(tiles * m, d).at[slot_N].get(mode="fill", fill_value=0)
 
 
 def _grouped(x_NxD: jax.Array, expert_N: jax.Array, num_experts: int, w_gate, w_up, w_down,
              gemm: str = "tiled"):
   """Each row through expert `expert_N` (-1: none, zero out), in the rows' order,
-  by `gemm` (one of `GEMMS`)."""
+  by `gemm` (one of `GEMMS`); one expert (each device's own under expert
+  parallelism as wide as the experts) by a plain SwiGLU on every row."""
+  if num_experts == 1:
+    y_NxD = _swiglu(x_NxD, _dense_dot, w_gate[0], w_up[0], w_down[0])
+    return jnp.where((expert_N == 0)[:, None], y_NxD, 0.0)
   key_N = jnp.where(expert_N >= 0, expert_N, num_experts)
   groups_G = jnp.bincount(key_N, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   if gemm == "tiled":
