@@ -12,9 +12,11 @@ import pytest
 
 from conftest import micro_config, tiered
 from meshtrain.analysis import hlo, trace
-from meshtrain.analysis.plan import abstract_mesh, activation_bytes, analytic, compile_step
+from meshtrain.analysis.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
+                                     stacked_slots, stage_layers)
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
+from meshtrain.train.parallelize import llama_spec, model_config
 from meshtrain.train.setup import build, sharding_rules
 
 STRATEGIES = {
@@ -107,3 +109,31 @@ def test_grad_dtype_halves_the_accumulator_in_plan_and_compiled_step():
   assert plans["bfloat16"] * 2 == plans["float32"]
   assert temps["float32"] - temps["bfloat16"] == pytest.approx(
       plans["float32"] - plans["bfloat16"], rel=0.10)
+
+
+def test_uneven_stages_hold_the_largest_chunk_and_wait_for_the_fullest_stage():
+  """5 layers as 2 + 3 on 2 stages: each stage holds 3 layer slots (the
+  first's last one zeros), so its weights, gradients and optimizer state are
+  those of 3 layers, as are the residuals a chunk stashes; the step waits
+  for the 3-layer stage, whose tensor and pipeline traffic it is. The plan
+  is the even 3 + 3 of 6 layers, byte for byte and collective for collective."""
+  def report(layers: int, split: str) -> dict:
+    cfg = micro_config(**{"model.num_layers": layers, "mesh.data": 2, "mesh.pipeline": 2,
+                          "mesh.tensor": 2, "tensor_sequence_parallel": True,
+                          "pipeline.microbatches": 2, "pipeline.stage_layers": split})
+    mesh = abstract_mesh(cfg.mesh, 8)
+    return analytic(cfg, llama_spec(model_config(cfg)), sharding_rules(cfg, mesh), mesh)
+  assert report(5, "2,3") == report(5, "3,2") == report(6, "")
+
+
+def test_interleaved_uneven_stages_wait_round_by_round():
+  """10 layers as 2, 3 (chunks 0 and 1, the first round) and 3, 2 (the
+  second) on 2 stages: each stage runs 5 layers, but in lock step a round's
+  ticks wait for its fuller stage, 3 layers each round: 6; every chunk
+  holds 3 slots, 12 in all: as the even split of 12 layers, 12 / 2 and 12 / 4."""
+  cfg = micro_config(**{"model.num_layers": 10, "mesh.pipeline": 2, "pipeline.virtual_stages": 2,
+                        "pipeline.stage_layers": "2,3,3,2"})
+  assert stage_layers(cfg) == (6, 3)
+  assert stacked_slots(cfg) == 12
+  cfg.update({"model": {"num_layers": 12}, "pipeline": {"stage_layers": ""}})
+  assert stage_layers(cfg) == (6, 3) and stacked_slots(cfg) is None

@@ -19,10 +19,14 @@
 - `lockstep_bubble`: the share of a meshtrain schedule table's cells where
   a stage idles: meshtrain's executor runs every stage in lock step, one op
   a tick, so this is the bubble it runs (zero-bubble schedules included).
+- `lockstep_seconds`: the same table with each op at its own cost (uneven
+  stages, the head on the last one): a tick lasts as long as its longest op.
 """
 
 import functools
 import math
+
+import numpy as np
 
 from meshtrain.parallel.pipeline import schedule as schedules
 
@@ -83,8 +87,24 @@ def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> fl
   return per_layer + (layers - 1) * max(0.0, per_layer - per_compute)
 
 
+_table = functools.cache(schedules.build)
+
+
 @functools.cache
 def lockstep_bubble(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
   """Idle share of stage-ticks in meshtrain's table for the schedule."""
-  table = schedules.build(name, stages, microbatches, chunks)
-  return float((table.op == schedules.IDLE).mean())
+  return float((_table(name, stages, microbatches, chunks).op == schedules.IDLE).mean())
+
+
+def lockstep_seconds(name: str, microbatches: int, work_VxP: np.ndarray) -> float:
+  """Seconds the ops of meshtrain's table for the schedule take when every
+  tick lasts as long as its longest op (the executor runs the stages in lock
+  step) and an op of chunk v on stage s takes work_VxP[v, s] / (3 x
+  microbatches): that chunk's work in a step, spread evenly over its F, B
+  and W of every microbatch. Where all chunks do alike, ticks x one op:
+  the stages' busy time over (1 - `lockstep_bubble`)."""
+  chunks, stages = work_VxP.shape
+  table = _table(name, stages, microbatches, chunks)
+  op_s = np.where(table.op != schedules.IDLE,
+                  work_VxP[table.chunk.clip(0), np.arange(stages)], 0.0) / (3 * microbatches)
+  return float(op_s.max(axis=1).sum())

@@ -11,8 +11,10 @@ The analytic model follows each weight through the three layouts of
       the remaining batch axes, once per step--> optimizer
 
 "Batch axes" are the mesh axes that split the batch (`data`, `fsdp`); the other
-axes a weight is split over (`tensor`) stay split in compute. Activations move
-too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
+axes a weight is split over (`tensor`) stay split in compute. Uneven pipeline
+stages (`config.pipeline.stage_layers`) hold every chunk in the largest
+chunk's slots and make the step wait for the fullest stage (`stage_layers`).
+Activations move too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
 under `sequence`, the pipeline's sends between stages. Bytes follow the ring
 convention of `meshtrain.analysis.hlo`. Activations are what the model itself
 saves for its backward (`meshtrain.analysis.residuals`: the residuals of
@@ -39,7 +41,8 @@ from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import local_sgd, setup as setup_lib
 from meshtrain.train.loss import cross_entropy
-from meshtrain.train.parallelize import attention_kernel, llama_spec, model_config, slots
+from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, slots,
+                                         stage_layout)
 from meshtrain.train.state import merged
 
 BATCH_AXES = ("data", "fsdp")
@@ -114,13 +117,17 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
   host = 0.0  # what `config.offload` keeps in pinned host memory
   comm = _Comm()
+  layer_slots = stacked_slots(cfg)
   for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
                          jax.tree.leaves(spec.abstract_params)):
     p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
     experts = _expert_axes(names, rules.params)
     gathered = batch_axes - experts  # batch axes that split the weight for storage only
-    compute = leaf.size / _prod(p_axes - gathered, mesh)   # elements one device computes with
-    working, master = compute / _prod(p_axes & gathered, mesh), leaf.size / _prod(o_axes, mesh)
+    # Stacked layers as the pipeline's slots hold them.
+    size = (leaf.size // leaf.shape[0] * layer_slots if layer_slots and names[0] == r.LAYERS
+            else leaf.size)
+    compute = size / _prod(p_axes - gathered, mesh)   # elements one device computes with
+    working, master = compute / _prod(p_axes & gathered, mesh), size / _prod(o_axes, mesh)
     # With one microbatch nothing accumulates: each layer's gradients go straight
     # into the optimizer layout (XLA reduce-scatters them inside the backward's
     # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
@@ -194,7 +201,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   activation = act_bytes * rows * s * m.embed_dim
   passes = cfg.grad_accum_steps * microbatches
   forwards = 1 + (cfg.remat == "full")  # a pipeline's B recomputes nothing
-  layer_passes = m.num_layers // stages * passes
+  layer_passes = stage_layers(cfg)[0] * passes
   if cfg.tensor_sequence_parallel:
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
     comm.add("all-gather", {"tensor"}, activation, mesh, 2 * gathers * layer_passes + 2 * passes)
@@ -265,6 +272,31 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   comm.add("all-to-all", set(axes), bucket, mesh, 2 * (forwards + 1) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
   comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
+
+
+def stage_layers(cfg) -> tuple[int, int]:
+  """In layers, what a pipeline step waits for on one stage and what each
+  chunk holds: the executor runs the stages in lock step, and in a tick they
+  all run a chunk of the same round v (chunks v*P to v*P + P - 1), so a step
+  waits, round by round, for the stage with the most layers (an MoE model's
+  leading dense layers count on stage 0); every chunk stores max(counts)
+  layer slots (`stages.StageLayout`). The even split, and no pipeline, as
+  ever: the model's layers over the stages, and over their chunks."""
+  m, layout = cfg.model, stage_layout(cfg)
+  if layout.even_split:
+    return (m.num_layers // layout.num_stages,
+            m.num_layers // (layout.num_stages * layout.num_chunks))
+  work = layout.counts_VxP().copy()
+  work[0, 0] += m.moe.first_dense_layers if m.moe.num_experts else 0
+  return int(work.max(axis=1).sum()), layout.slots
+
+
+def stacked_slots(cfg) -> int | None:
+  """The layers the stacked weights take room for on a pipeline of uneven
+  stages: P x V chunks of max(counts) slots (the empty slots hold zeros, but
+  memory all the same); None where they are the model's own layers."""
+  layout = stage_layout(cfg)
+  return None if layout.even_split else len(layout.counts) * layout.slots
 
 
 @functools.cache
@@ -363,7 +395,7 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
     p = cfg.pipeline
     input_slots, residual_slots, head_slots = pipeline_slots(cfg, stages, p.microbatches,
                                                              p.virtual_stages)
-    layers //= stages * p.virtual_stages
+    layers = stage_layers(cfg)[1]
     per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
     length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
     inputs = (input_slots * per_device_rows * length * m.embed_dim

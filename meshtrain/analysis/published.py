@@ -1,14 +1,16 @@
 """Published training runs: each model's dimensions as a Llama-shaped config,
-the cluster, the published mesh and the published throughput.
+the cluster (a preset, or one of `CLUSTERS`), the published mesh and stage
+layout, and the published throughput.
 
-Two sets that never meet: `CALIBRATION` fits the planner's one free number,
-the kernel efficiency (bench/calibrate_planner.py writes it with its rows
-into calibration.json), and `RUNS` validates the planner (docs/planner.md,
-tests/test_search.py) and is never used to fit."""
+Two sets that never meet: `CALIBRATION` fits the planner's free numbers, the
+kernel efficiency and the elementwise passes (bench/calibrate_planner.py
+writes them with its rows into calibration.py), and `RUNS` validates the
+planner (docs/planner.md, tests/test_search.py) and is never used to fit."""
 
 import dataclasses
 
 from meshtrain import config as config_lib
+from meshtrain.analysis import clusters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,9 @@ class Run:
   counts_recompute: bool     # the published FLOPs include recomputation (Megatron-LM's)
   remat: str = "none"
   tokens_per_s: float = 0.0  # published tokens/s per device, where that is the figure
+  # The published layers per pipeline chunk, for each number of chunks a
+  # stage the run may have had (none: the planner's own layouts).
+  stage_layers: tuple[str, ...] = ()
 
   def config(self):
     c = config_lib.get_config()
@@ -36,19 +41,34 @@ class Run:
 
 def _llama3():
   # Dubey et al. 2024, Table 3: 405B has 126 layers, 16,384 width, 53,248 FFN,
-  # 128 heads, 8 kv heads, 128,256 vocabulary. meshtrain splits layers evenly
-  # over stages: 128 layers (Llama 3 drops one layer from the first and the
-  # last stage to balance embedding and head, the same work per stage).
-  return dict(vocab_size=128_256, embed_dim=16_384, num_layers=128, num_heads=128,
+  # 128 heads, 8 kv heads, 128,256 vocabulary.
+  return dict(vocab_size=128_256, embed_dim=16_384, num_layers=126, num_heads=128,
               num_kv_heads=8, head_dim=128, mlp_dim=53_248, rope_theta=500_000.0)
 
 
-def _gpt(heads, hidden, layers):
+def fewer_at_the_ends(layers: int, chunks: int) -> str:
+  """`config.pipeline.stage_layers` with one layer fewer on the first and the
+  last chunk than on the others (Megatron-Core's
+  account_for_embedding_in_pipeline_split: the embedding and the head each
+  take a layer's place)."""
+  per_chunk, rest = divmod(layers + 2, chunks)
+  if rest or per_chunk < 2:
+    raise ValueError(f"{layers} layers and 2 ends do not make {chunks} chunks of 2 or more")
+  return ",".join([str(per_chunk - 1)] + [str(per_chunk)] * (chunks - 2) + [str(per_chunk - 1)])
+
+
+# Dubey et al. 2024, Section 3.3.2: one layer fewer on the first and the last
+# of the 16 stages, with an interleaved schedule of V chunks a stage (V not
+# published; meshtrain runs at least a layer a chunk, so V of 1, 2 or 4).
+LLAMA3_STAGES = tuple(fewer_at_the_ends(126, 16 * v) for v in (1, 2, 4))
+
+
+def _gpt(heads, hidden, layers, vocab=51_200):
   # Narayanan et al. 2021, Table 1: GPT with 51,200 vocabulary and 2,048
   # sequences; Llama-shaped here: SwiGLU with 8h/3 (the same weights as a 4h
   # GeLU MLP), as many kv heads as heads.
   mlp = round(hidden * 8 / 3 / 128) * 128
-  return dict(vocab_size=51_200, embed_dim=hidden, num_layers=layers, num_heads=heads,
+  return dict(vocab_size=vocab, embed_dim=hidden, num_layers=layers, num_heads=heads,
               num_kv_heads=heads, head_dim=hidden // heads, mlp_dim=mlp)
 
 
@@ -61,14 +81,18 @@ LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
 MEGATRON_SP = "Korthikanti et al. 2022, Reducing Activation Recomputation, Tables 3 and 5"
 MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training, Table 1"
 TORCHTITAN = "pytorch/torchtitan docs/performance.md"
+BLOOM = ("Le Scao et al. 2022, BLOOM; bigscience-workshop/bigscience "
+         "train/tr11-176B-ml/README.md and tr11-176B-ml.slurm")
+OPT = "Zhang et al. 2022, OPT, Section 2.4 and Table 1; facebookresearch/metaseq"
 
 RUNS = (
     Run("Llama 3 405B, 8,192 GPUs", LLAMA3, "h100", 8192, _llama3(), 8192, 2048,
-        dict(data=64, pipeline=16, tensor=8), 430, False),
+        dict(data=64, pipeline=16, tensor=8), 430, False, stage_layers=LLAMA3_STAGES),
     Run("Llama 3 405B, 16,384 GPUs", LLAMA3, "h100", 16384, _llama3(), 8192, 2048,
-        dict(data=128, pipeline=16, tensor=8), 400, False),
+        dict(data=128, pipeline=16, tensor=8), 400, False, stage_layers=LLAMA3_STAGES),
     Run("Llama 3 405B, 16,384 GPUs, 131K context", LLAMA3, "h100", 16384, _llama3(), 131_072,
-        128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False),
+        128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False,
+        stage_layers=LLAMA3_STAGES),
     Run("Megatron-LM GPT 1.7B", MEGATRON, "a100_80gb", 32, _gpt(24, 2304, 24), 2048, 512,
         dict(data=32), 137, True, remat="full"),
     Run("Megatron-LM GPT 18.4B", MEGATRON, "a100_80gb", 256, _gpt(48, 6144, 40), 2048, 1024,
@@ -109,7 +133,47 @@ RUNS = (
     # 2,973 tokens/s per GPU, 58.2% MFU.
     Run("torchtitan Llama 3 8B, 64 A100", TORCHTITAN, "a100_80gb", 64, _llama3_8b(), 8192, 64,
         dict(fsdp=64), 0, False, remat="selective", tokens_per_s=2973),
+    # BLOOM (BigScience's tr11 run, Megatron-DeepSpeed): 384 A100 80GB on 48
+    # nodes of Jean Zay (`CLUSTERS`) as tensor 4 x pipeline 12 x data 8
+    # (ZeRO-1, which its bf16 optimizer implements), 70 layers, width
+    # 14,336, 112 heads, a GeLU MLP of 4h, the vocabulary padded to 250,880,
+    # 2,048-token sequences, 2,048 a step in microbatches of 2; full recomputation
+    # (--checkpoint-activations). The stages as its README draws them
+    # (--pp-partition-method 'type:transformer|embedding': the tied
+    # embedding counts as a layer on the first and the last stage). About
+    # 150 TFLOP/s per GPU (the BigScience model page), counted with the
+    # recomputation (the README's "hardware TFLOPs", Megatron's 4 x 2 factor).
+    Run("BLOOM 176B", BLOOM, "jean_zay_a100", 384, _gpt(112, 14_336, 70, vocab=250_880), 2048,
+        2048, dict(data=8, pipeline=12, tensor=4), 150, True, remat="full",
+        stage_layers=(fewer_at_the_ends(70, 12),)),
+    # OPT-175B: 992 A100 80GB, Fully Sharded Data Parallel with Megatron-LM
+    # tensor parallelism of 8 (so FSDP over 124), 96 layers, width 12,288, 96
+    # heads, a ReLU MLP of 4h, GPT-2's BPE (50,272 in the model), 2,048-token
+    # sequences, 2M tokens a step: metaseq's launcher gives each of the 124
+    # FSDP ranks 2M // 124 // 2,048 = 8 sequences, 992 in all; activation
+    # checkpointing (metaseq's OPT launcher: --checkpoint-activations). "Up to
+    # 147 TFLOP/s per GPU" does not say how it counts; read as Megatron-LM's
+    # convention of the time (recomputation counted): 147 model TFLOP/s would
+    # be 63% of peak in hardware FLOPs, above every Megatron-LM run of 2021.
+    Run("OPT-175B", OPT, "a100_80gb", 992, _gpt(96, 12_288, 96, vocab=50_272), 2048, 992,
+        dict(fsdp=124, tensor=8), 147, True, remat="full"),
 )
+
+# Clusters of published runs that no preset of `meshtrain.analysis.clusters`
+# describes. Jean Zay's A100 partition (BLOOM's tr11 README; Le Scao et al.
+# 2022 on its hardware): 8 A100 80GB a node with NVLink (taken as the
+# `a100_80gb` preset's), and 4 Omni-Path links of 100 Gb/s a node: 50 GB/s
+# for 8 GPUs, 6.25 GB/s each.
+CLUSTERS = {
+    "jean_zay_a100": dataclasses.replace(clusters.PRESETS["a100_80gb"], name="jean_zay_a100",
+                                         inter_host=50e9 / 8),
+}
+
+
+def cluster(name: str) -> clusters.Cluster:
+  """A run's cluster: one of `CLUSTERS`, else a preset or file (`clusters.load`)."""
+  return CLUSTERS[name] if name in CLUSTERS else clusters.load(name)
+
 
 # The rest of Narayanan et al.'s Table 1 (the rows RUNS does not hold): GPT
 # models on DGX A100s (Selene) with full recomputation, sequences of 2,048,

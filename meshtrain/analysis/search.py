@@ -1,8 +1,8 @@
-"""`meshtrain plan --search`: the mesh, ZeRO stage, recomputation, schedule
-and microbatches for a model on a cluster, ranked by a predicted step time.
+"""`meshtrain plan --search`: the mesh, ZeRO stage, recomputation, schedule,
+microbatches and pipeline stage layout for a model on a cluster, ranked by a
+predicted step time.
 
-Step-time model (per step, one device; all devices do equal work; the parts
-are `meshtrain.analysis.costs`):
+Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`):
 
   compute   hardware FLOPs / devices / (peak x KERNEL_EFFICIENCY), the one
             fitted number (`meshtrain.analysis.calibration`): the model's
@@ -10,6 +10,9 @@ are `meshtrain.analysis.costs`):
             recomputation adds (a layer forward under remat=full, the
             attention core under selective); plus what each weight matmul
             on its per-device shape loses to memory bandwidth (roofline).
+            All devices do alike, but on a pipeline: there each chunk does
+            its layers' share (`config.pipeline.stage_layers`) and the last
+            also the head's matmuls; compute is the busiest stage's.
   comms     each collective of `meshtrain.analysis.plan.analytic` by latency
             per hop and bandwidth of the link class its mesh axes cross: an
             axis crosses hosts when it and the axes inside it
@@ -19,8 +22,10 @@ are `meshtrain.analysis.costs`):
             gradient reductions, issued layer by layer) hides behind each
             layer's compute, one layer's worth always exposed; tensor,
             sequence, pipeline and all-to-all traffic is exposed.
-  bubble    the idle share of meshtrain's lock-step schedule table: busy
-            time stretched by 1/(1 - bubble).
+  bubble    meshtrain's lock-step schedule table with every op at its
+            chunk's cost, a tick as long as its longest op: the idle ticks
+            and the waits for a busier stage; exposed traffic stretched by
+            1/(1 - the table's idle share).
 
 Memory is `plan`'s: state from the rules, activations from the residuals the
 model saves (traced once per kind of layout and scaled: `_ActivationModel`),
@@ -37,17 +42,18 @@ import shlex
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import calibration, clusters, costs, plan as plan_lib, residuals
+from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.models import flops
 from meshtrain.parallel import experts
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 from meshtrain.train import setup as setup_lib
-from meshtrain.train.parallelize import llama_spec, model_config, slots
+from meshtrain.train.parallelize import llama_spec, model_config, slots, stage_layout
 
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
@@ -71,6 +77,7 @@ class Candidate:
   microbatches: int = 1              # pipeline microbatches per step
   virtual_stages: int = 1
   schedule: str = "1f1b"             # with a pipeline: 1f1b, zb_h1, interleaved_1f1b
+  stage_layers: str = ""             # with a pipeline: layers per chunk ("": the even split)
   tensor_sequence_parallel: bool = False
   expert_parallel: str | None = None  # MoE: config.expert_parallel (None: the config's)
 
@@ -84,6 +91,7 @@ class Candidate:
     cfg.update(zero_stage=self.zero_stage, remat=self.remat,
                grad_accum_steps=self.grad_accum_steps,
                tensor_sequence_parallel=self.tensor_sequence_parallel)
+    cfg.pipeline.stage_layers = self.stage_layers
     if self.expert_parallel is not None:
       cfg.expert_parallel = self.expert_parallel
     if self.sizes["pipeline"] > 1:
@@ -103,6 +111,8 @@ class Candidate:
       parts += [f"--config.pipeline.schedule={self.schedule}",
                 f"--config.pipeline.microbatches={self.microbatches}",
                 f"--config.pipeline.virtual_stages={self.virtual_stages}"]
+      if self.stage_layers:
+        parts.append(f"--config.pipeline.stage_layers={self.stage_layers}")
     if across_hosts:
       parts.append(f"--config.mesh.across_hosts={','.join(across_hosts)}")
     return " ".join(parts)
@@ -217,6 +227,12 @@ class StepModel:
                              ) / m.num_layers  # one layer's, all experts
     self.layer_forward = 2 * layer_params + 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
     self.attention_forward = 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
+    # The head's matmul a token, forward and backward, and that in layers (of
+    # the model's average one): the last pipeline chunk's work beyond its own.
+    self.head_flops = 6 * m.embed_dim * m.vocab_size
+    self.head_layers = self.head_flops * m.num_layers / (self.flops_per_token - self.head_flops)
+    moe = cfg.model.moe
+    self.dense_layers = moe.first_dense_layers if moe.num_experts else 0  # run on stage 0
     self.activations = _ActivationModel(cfg, cluster.flash_attention)
     self._reports: dict[Candidate, dict] = {}
 
@@ -270,6 +286,27 @@ class StepModel:
                                             cluster.memory_bandwidth)
     return (excess + elementwise) * passes * layers * microbatches
 
+  def chunk_work(self, c: Candidate, cfg) -> np.ndarray:
+    """[V, P] seconds a step computes on a device for each chunk v of stage s:
+    the hardware FLOPs at the kernel efficiency plus `memory_bound_s`, all
+    devices alike without a pipeline ([1, 1]). With one, each chunk's layers
+    (`config.pipeline.stage_layers`; an MoE model's leading dense layers on
+    the first chunk) and on the last chunk the head's matmuls."""
+    sizes, cluster = c.sizes, self.cluster
+    per_token = self.flops_per_token + self.recompute_per_token(c)
+    flops_s = (cfg.global_batch * cfg.seq_len * per_token / math.prod(sizes.values())
+               / (cluster.peak_flops * self.efficiency))
+    memory_s = self.memory_bound_s(c, cfg)
+    stages = sizes["pipeline"]
+    if stages == 1:
+      return np.array([[flops_s + memory_s]])
+    head = self.head_flops / per_token  # the head's share of the FLOPs
+    layer_s = ((1 - head) * flops_s + memory_s) * stages / cfg.model.num_layers
+    work_VxP = stage_layout(cfg).counts_VxP() * layer_s
+    work_VxP[0, 0] += self.dense_layers * layer_s
+    work_VxP[-1, -1] += head * flops_s * stages
+    return work_VxP
+
   def activation_and_backward_bytes(self, cfg, c: Candidate) -> tuple[int, int]:
     """`plan.activation_bytes` and `plan.backward_bytes`, from the scaled traces."""
     sizes = c.sizes
@@ -280,7 +317,7 @@ class StepModel:
     if sizes["pipeline"] > 1:
       input_slots, residual_slots, head_slots = plan_lib.pipeline_slots(
           cfg, sizes["pipeline"], c.microbatches, c.virtual_stages)
-      rows, layers = rows // c.microbatches, layers // (sizes["pipeline"] * c.virtual_stages)
+      rows, layers = rows // c.microbatches, plan_lib.stage_layers(cfg)[1]
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
       inputs = (input_slots * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
@@ -331,8 +368,8 @@ class StepModel:
     tokens = cfg.global_batch * cfg.seq_len
     model_flops = tokens * self.flops_per_token
     hardware_flops = tokens * (self.flops_per_token + self.recompute_per_token(c))
-    compute = (hardware_flops / devices / (cluster.peak_flops * self.efficiency)
-               + self.memory_bound_s(c, cfg))
+    work_VxP = self.chunk_work(c, cfg)
+    compute = float(work_VxP.sum(axis=0).max())  # the busiest stage's
     crossing = across_hosts(sizes, cluster)
     by_axis: dict[str, float] = {}
     for coll in report["collectives"]:
@@ -342,16 +379,17 @@ class StepModel:
     weights = lambda k: set(k.split("+")) <= set(BATCH_AXES)  # noqa: E731 (gathers, gradients)
     exposed = {k: v for k, v in by_axis.items() if not weights(k)}
     batch_traffic = sum(v for k, v in by_axis.items() if weights(k))
-    layer_slots = (cfg.model.num_layers // sizes["pipeline"]) * max(
+    layer_slots = plan_lib.stage_layers(cfg)[0] * max(
         c.grad_accum_steps, c.microbatches if sizes["pipeline"] > 1 else 1)
     if batch_traffic:
       exposed["data+fsdp (not hidden)"] = costs.exposed_behind_layers(batch_traffic, compute,
                                                                        layer_slots)
     bubble = 0.0
-    if sizes["pipeline"] > 1:
+    if sizes["pipeline"] > 1:  # idle ticks, and ticks that wait for a busier stage
       share = costs.lockstep_bubble(c.schedule, sizes["pipeline"], c.microbatches,
                                     c.virtual_stages)
-      bubble = (compute + sum(exposed.values())) * share / (1 - share)
+      bubble = (costs.lockstep_seconds(c.schedule, c.microbatches, work_VxP) - compute
+                + sum(exposed.values()) * share / (1 - share))
     step = compute + sum(exposed.values()) + bubble
     return Estimate(
         c, step, compute, exposed, bubble, memory, model_flops, hardware_flops,
@@ -390,30 +428,90 @@ def expert_layouts(cfg, sizes: dict) -> list[str | None]:
 
 
 def microbatch_counts(rows: int, stages: int) -> list[int]:
-  """Pipeline microbatch counts to try for `rows` sequences per replica: p
-  doubling up to 8p as far as the rows divide (the lock-step bubble is then
-  under 1/9 and falls little further while each microbatch shrinks), with
-  one sequence a microbatch (as published pipelines often run) among them
-  where the rows are that few."""
-  counts, count = [], stages
+  """Pipeline microbatch counts to try for `rows` sequences per replica: from
+  the least count of at least p that divides the rows (p itself where it
+  does), doubling up to 8p as far as the rows divide (the lock-step bubble
+  is then under 1/9 and falls little further while each microbatch
+  shrinks), with one sequence a microbatch (as published pipelines often
+  run) among them where the rows are that few."""
+  counts, count = [], next((n for n in range(stages, rows + 1) if rows % n == 0), rows + 1)
   while count <= min(rows, 8 * stages) and rows % count == 0:
     counts.append(count)
     count *= 2
   return counts + ([rows] if stages <= rows <= 8 * stages and rows not in counts else [])
 
 
-def candidates(cfg, devices: int, cluster: Cluster, only: dict | None = None):
-  """Every mesh, schedule, accumulation and expert layout to try for the model
-  on `devices` (`search` keeps those meshtrain runs), or on the mesh `only`;
-  ZeRO-1 whenever `data` > 1 splits the weights (it moves what DDP moves and
-  holds less), sequence parallelism whenever `tensor` > 1."""
+def _chunk_extras(chunks: int, first: float, last: float) -> list[float]:
+  """Each chunk's work beyond its layers, in layers: `first` on the first, `last` on the last."""
+  extras = [0.0] * chunks
+  extras[0] += first
+  extras[-1] += last
+  return extras
+
+
+def balanced_split(layers: int, chunks: int, first: float, last: float) -> tuple[int, ...]:
+  """Layers per chunk in model order, at least one each, that leave the most
+  loaded chunk the least work, where the first chunk also does `first`
+  layers' worth (an MoE model's leading dense layers) and the last `last`
+  (the head): a layer at a time to the chunk it leaves least loaded, of
+  equals the one nearest the middle of the model (so the chunks at the ends,
+  which also embed and run the head, keep fewer). With no such work, the
+  runtime's `StageLayout.balanced`."""
+  counts, extras = [1] * chunks, _chunk_extras(chunks, first, last)
+  order = sorted(range(chunks), key=lambda c: abs(2 * c - (chunks - 1)))
+  for _ in range(layers - chunks):
+    counts[min(order, key=lambda c: counts[c] + extras[c])] += 1
+  return tuple(counts)
+
+
+# The most a pipeline chunk may do over the mean of all chunks (layers, and
+# the head's and the first chunk's extra work) for the search to try the
+# split: in lock step every stage waits for the busiest, so beyond this a
+# third of every tick idles, where fewer stages or chunks, with more layers
+# each, split evenly. It keeps the search's time (80 layers on 64 stages: 2
+# against a mean of 1.27) and leaves it the splits where nothing else fits
+# (OPT-175B on 992 GPUs: 96 layers on 31 stages, 4 against a mean of 3.1).
+MOST_OVER_MEAN = 1.5
+
+
+@functools.cache
+def stage_split(layers: int, stages: int, chunks: int, first: float, last: float) -> str | None:
+  """The `config.pipeline.stage_layers` to try for `layers` layers on
+  `stages` stages of `chunks` chunks: the even split ("") where the chunks
+  divide the layers and no other split leaves the busiest chunk less work,
+  else `balanced_split`'s (layers that do not divide; a head worth more
+  than a layer). None where some chunk would have no layer, or the busiest
+  would do more than MOST_OVER_MEAN of the mean. One split per stage count
+  and chunks, so that the search stays about as fast."""
+  n = stages * chunks
+  if layers < n:
+    return None
+  extras = _chunk_extras(n, first, last)
+  busiest = lambda counts: max(map(sum, zip(counts, extras)))  # noqa: E731
+  even, balanced = (layers // n,) * n, balanced_split(layers, n, first, last)
+  split = even if layers % n == 0 and busiest(balanced) >= busiest(even) else balanced
+  if busiest(split) > MOST_OVER_MEAN * (layers + first + last) / n:
+    return None
+  return "" if split == even else ",".join(map(str, split))
+
+
+def candidates(model: StepModel, devices: int, only: dict | None = None):
+  """Every mesh, schedule, stage layout, accumulation and expert layout to
+  try for the model on `devices` (`search` keeps those meshtrain runs), or
+  on the mesh `only` (taken as named even where its FSDP degree does not
+  divide the width meshtrain splits: PyTorch's FSDP pads its flat shards,
+  and `as_published` prices published runs that did); ZeRO-1 whenever
+  `data` > 1 splits the weights (it moves what DDP moves and holds less),
+  sequence parallelism whenever `tensor` > 1, a pipeline's stage layout
+  from `stage_split` with the head's work in layers (`StepModel.head_layers`)."""
   def skip(axis: str, size: int) -> bool:
     return only is not None and only[axis] != size
 
+  cfg, cluster = model.cfg, model.cluster
   m = cfg.model
   ring = cfg.attention.sequence_strategy == "ring"  # does not compose with pipeline
   # The layers a pipeline splits (a MoE model's leading dense ones run before them).
-  staged = m.num_layers - (m.moe.first_dense_layers if m.moe.num_experts else 0)
+  staged = m.num_layers - model.dense_layers
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
     if m.num_heads % tensor or m.mlp_dim % tensor or m.vocab_size % tensor or skip("tensor",
                                                                                  tensor):
@@ -423,13 +521,14 @@ def candidates(cfg, devices: int, cluster: Cluster, only: dict | None = None):
         continue
       rest = devices // tensor // sequence
       for pipeline in _divisors(rest):
-        if staged % pipeline or (pipeline > 1 and sequence > 1 and ring) or skip("pipeline",
+        if staged < pipeline or (pipeline > 1 and sequence > 1 and ring) or skip("pipeline",
                                                                                  pipeline):
           continue
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp
           replicas = data * fsdp
-          if cfg.global_batch % replicas or m.embed_dim % fsdp or skip("fsdp", fsdp):
+          if cfg.global_batch % replicas or (m.embed_dim % fsdp and only is None) or skip(
+              "fsdp", fsdp):
             continue
           mesh = (("data", data), ("pipeline", pipeline), ("fsdp", fsdp),
                   ("sequence", sequence), ("tensor", tensor))
@@ -443,12 +542,13 @@ def candidates(cfg, devices: int, cluster: Cluster, only: dict | None = None):
                 yield Candidate(**base, grad_accum_steps=accum)
               continue
             for micro in microbatch_counts(rows, pipeline):
-              for schedule in ("1f1b", "zb_h1"):
-                yield Candidate(**base, microbatches=micro, schedule=schedule)
-              for chunks in (2, 4):
-                if staged % (pipeline * chunks) == 0 and micro % pipeline == 0:
+              for chunks in (1, 2, 4) if micro % pipeline == 0 else (1,):
+                schedules = ("1f1b", "zb_h1") if chunks == 1 else ("interleaved_1f1b",)
+                layers = stage_split(staged, pipeline, chunks, model.dense_layers,
+                                     model.head_layers)
+                for schedule in schedules if layers is not None else ():
                   yield Candidate(**base, microbatches=micro, virtual_stages=chunks,
-                                  schedule="interleaved_1f1b")
+                                  schedule=schedule, stage_layers=layers)
 
 
 def search(cfg, devices: int, cluster: Cluster, top: int = 5,
@@ -460,7 +560,7 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
   Of equally fast ones, the one that leaves the most memory free comes first."""
   model = StepModel(cfg, cluster, efficiency, elementwise)
   best = []
-  for c in candidates(cfg, devices, cluster):
+  for c in candidates(model, devices):
     cfg_c = c.config(cfg)
     if meshtrain_runs(cfg, c, cfg_c):
       continue
@@ -490,18 +590,31 @@ def rank_of(results: list[Estimate], sizes: dict) -> tuple[int, int] | None:
 
 
 def as_published(model: StepModel, run, results: list[Estimate] | None = None) -> Estimate:
-  """The prediction for a published run as it ran: its mesh and recomputation,
-  with the fastest schedule, microbatches and ZeRO stage meshtrain runs on
-  that mesh (of `results` where the search kept some, else of every
-  candidate on the mesh, fitting or not)."""
+  """The prediction for a published run as it ran: its mesh, recomputation
+  and stage layout (`run.stage_layers`, where it names some: then with as
+  many chunks a stage as one of them has), with the fastest schedule,
+  microbatches and ZeRO stage meshtrain runs on that mesh (of `results`
+  where the search kept some, else of every candidate on the mesh, fitting
+  or not; where meshtrain runs none, as the cost model prices them:
+  OPT-175B's FSDP over 124 devices does not divide its width as meshtrain
+  splits it)."""
   sizes = {a: run.mesh.get(a, 1) for a in AXES}
-  on_mesh = [e.candidate for e in results or () if e.candidate.sizes == sizes] or [
-      c for c in candidates(model.cfg, run.devices, model.cluster, only=sizes)
-      if not meshtrain_runs(model.cfg, c)]
-  if not on_mesh:
-    raise ValueError(f"{run.name}: meshtrain cannot run the mesh {sizes}")
-  return min((model.estimate(dataclasses.replace(c, remat=run.remat)) for c in on_mesh),
-             key=lambda e: e.step_s)
+  layouts = {text.count(",") + 1: text for text in run.stage_layers}  # by chunks in all
+
+  def on_mesh(c: Candidate) -> bool:
+    return c.sizes == sizes and (not layouts or c.virtual_stages * sizes["pipeline"] in layouts)
+
+  def as_run(c: Candidate) -> Candidate:
+    chunks = c.virtual_stages * sizes["pipeline"]
+    return dataclasses.replace(c, remat=run.remat,
+                               stage_layers=layouts.get(chunks, c.stage_layers))
+  kept = [e.candidate for e in results or () if on_mesh(e.candidate)]
+  if not kept:
+    every = [c for c in candidates(model, run.devices, only=sizes) if on_mesh(c)]
+    kept = [c for c in every if not meshtrain_runs(model.cfg, c)] or every
+  if not kept:
+    raise ValueError(f"{run.name}: the planner has no layout on the mesh {sizes}")
+  return min((model.estimate(as_run(c)) for c in kept), key=lambda e: e.step_s)
 
 
 def check_published(run, rank: bool = True, efficiency: float = calibration.KERNEL_EFFICIENCY,
@@ -512,7 +625,7 @@ def check_published(run, rank: bool = True, efficiency: float = calibration.KERN
   mesh among everything that fits (with the meshes tied with it), and the
   planner's own first choice with how much faster it predicts it. Without
   `rank` no search runs (rank, first: None)."""
-  cfg, cluster = run.config(), clusters.load(run.cluster)
+  cfg, cluster = run.config(), published.cluster(run.cluster)
   if rank:
     results, fitting, model = search(cfg, run.devices, cluster, top=10**9, efficiency=efficiency,
                                      elementwise=elementwise)
@@ -520,13 +633,13 @@ def check_published(run, rank: bool = True, efficiency: float = calibration.KERN
     results, fitting, model = [], None, StepModel(cfg, cluster, efficiency, elementwise)
   mine = as_published(model, run, results)
   placed = rank_of(results, {a: run.mesh.get(a, 1) for a in AXES})
-  published = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
+  figure = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
   def tflops(e):
     return e.hardware_tflops_per_device if run.counts_recompute else e.model_tflops_per_device
   first = results[0] if results else None
   return {"run": run.name, "fitting": fitting, "rank": placed and placed[0],
-          "tied": placed and placed[1], "published_tflops": published,
+          "tied": placed and placed[1], "published_tflops": figure,
           "predicted_tflops": tflops(mine), "published": mine, "first": first,
           "first_tflops": tflops(first) if first else None,
           "first_speedup": mine.step_s / first.step_s if first else None}
@@ -562,6 +675,8 @@ def _layout(c: Candidate) -> str:
     extras.append(f"accumulate {c.grad_accum_steps}")
   if c.sizes["pipeline"] > 1:
     extras.append(f"{c.schedule}, {c.microbatches} microbatches, {c.virtual_stages} chunks/stage")
+    if c.stage_layers:
+      extras.append(f"layers {c.stage_layers} a chunk")
   if c.expert_parallel is not None:
     extras.append(f"experts over {c.expert_parallel.replace(',', ' x ')}"
                   if c.expert_parallel else "every expert on every device")
@@ -579,12 +694,13 @@ def explain(cfg, devices: int, cluster: Cluster, sizes: dict) -> dict:
   if on_mesh:
     mine = on_mesh[0]
   else:
-    runnable = [c for c in candidates(cfg, devices, cluster) if c.sizes == sizes]
+    runnable = list(candidates(model, devices, only=sizes))
     reasons = [meshtrain_runs(cfg, c) for c in runnable]
     kept = [c for c, reason in zip(runnable, reasons) if not reason]
     if not kept:
       why = (reasons[0] if reasons else "the model's dimensions do not divide over it "
-             "(heads, MLP or vocabulary by tensor, layers by pipeline, batch by data x fsdp)")
+             "(heads, MLP or vocabulary by tensor, a layer for every pipeline chunk, "
+             "batch by data x fsdp)")
       return {"text": f"meshtrain does not run {sizes}: {why}", "fits": False, "rank": None}
     mine = min((model.estimate(dataclasses.replace(c, remat="full")) for c in kept),
                key=lambda e: e.step_s)
