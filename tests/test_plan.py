@@ -70,6 +70,22 @@ def test_activation_traffic_matches_the_analytic_model(strategy):
     assert measured[axis] == pytest.approx(predicted[axis], rel=0.10), axis
 
 
+@pytest.mark.parametrize("microbatches", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_fsdp_inside_a_pipeline_moves_its_weights_every_microbatch(microbatches):
+  """Inside the pipeline `fsdp` stays automatic and the layers run tick by
+  tick: a profiled step gathers the layer weights and reduce-scatters their
+  gradients once per microbatch, and so does the analytic model (it counted
+  them once per step, a step's bytes whatever the microbatches)."""
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 4, "mesh.pipeline": 2, "global_batch": 16,
+                        "pipeline.microbatches": microbatches})
+  setup = build(cfg)
+  measured = {(c["kind"], c["axis"]): c["bytes"] for c in executed_collectives(setup)}
+  predicted = {(c["kind"], c["axis"]): c["bytes"]
+               for c in analytic(cfg, setup.spec, setup.rules, setup.mesh)["collectives"]}
+  for key in (("all-gather", "fsdp"), ("reduce-scatter", "fsdp")):
+    assert predicted[key] == pytest.approx(measured[key], rel=0.10), key
+
+
 def test_flash_attention_stores_no_scores():
   """XLA's attention keeps the [batch, heads, length, length] scores for the
   backward (at least one float32 copy per layer); cuDNN's flash attention none."""

@@ -112,6 +112,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   token_axes = batch_axes | {a for a in ("sequence", "tensor") if mesh.shape[a] > 1 and (
       a == "sequence" or cfg.tensor_sequence_parallel)}
   per_replica = accum > 1 and "data" in batch_axes
+  microbatches = cfg.pipeline.microbatches if mesh.shape["pipeline"] > 1 else 1
 
   m = cfg.model
   memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
@@ -145,9 +146,12 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
     comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers, mesh,
-             _gathers(names, cfg))
+             _gathers(names, cfg, mesh.shape["pipeline"] > 1 and "fsdp" in p_axes & gathered))
+    # Inside a pipeline a layer's gradients split over `fsdp` (automatic
+    # there) are reduce-scattered in every microbatch's W.
     comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers, mesh,
-             accum * layers)
+             accum * layers * (microbatches if layers > 1 and "fsdp" in g_axes & gathered
+                               else 1))
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
     # The gradient before its reduction: with one microbatch `grads` is already
@@ -305,16 +309,29 @@ def schedule_table(name: str, stages: int, microbatches: int, chunks: int) -> sc
   return schedules.build(name, stages, microbatches, chunks)
 
 
-def _gathers(names, cfg) -> int:
+def _gathers(names, cfg, in_ticks: bool = False) -> float:
   """How often a step gathers a weight split over batch axes (what XLA does):
   a stacked layer weight per layer and microbatch, forward and backward and
   again when recomputed; an embedding used only for lookups once (the backward
   of a lookup does not read the table); any other weight forward and backward,
-  or once with accumulation (the gather is hoisted out of the microbatch loop)."""
+  or once with accumulation (the gather is hoisted out of the microbatch loop).
+  `in_ticks`: split over `fsdp` inside a pipeline, where the pieces run tick by
+  tick and gather again each time (a profiled step: tests/test_plan.py): a
+  layer weight in each microbatch's F and B, the embedding in every F of
+  every stage (a select, not a conditional), the head's in the last stage's
+  F and B (per device on average, as the other counts are)."""
+  accum, lookup_only = cfg.grad_accum_steps, names == (r.VOCAB, r.EMBED) and not (
+      cfg.model.tie_embeddings)
+  p = cfg.pipeline
   if names[0] == r.LAYERS:
-    return (3 if cfg.remat == "full" else 2) * cfg.grad_accum_steps * cfg.model.num_layers
-  lookup_only = names == (r.VOCAB, r.EMBED) and not cfg.model.tie_embeddings
-  return 1 if lookup_only or cfg.grad_accum_steps > 1 else 2
+    return ((3 if cfg.remat == "full" else 2) * accum * cfg.model.num_layers
+            * (p.microbatches if in_ticks else 1))
+  if in_ticks:
+    head = 2 * accum * p.microbatches / cfg.mesh.pipeline
+    if names == (r.VOCAB, r.EMBED):
+      return accum * p.microbatches * p.virtual_stages + (0 if lookup_only else head)
+    return head
+  return 1 if lookup_only or accum > 1 else 2
 
 
 def llama_loss(spec):
