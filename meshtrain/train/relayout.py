@@ -31,8 +31,13 @@ def saved_layout(saved_config: dict) -> StageLayout:
   return stage_layout(cfg)
 
 
-def _is_stack(path) -> bool:
-  return any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers" for key in path)
+def _is_stack(path, x, length: int) -> bool:
+  """Whether `x` is a layer stack of `length` layers or slots: under a
+  `layers` key (the weights, their optimizer moments, the model state) and
+  that long (not a placeholder an optimizer keeps for a weight it does not
+  factor)."""
+  return (any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers" for key in path)
+          and bool(x.shape) and x.shape[0] == length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,30 +50,36 @@ class Relayout:
   def needed(self) -> bool:
     return not self.saved.stores_like(self.own)
 
+  @staticmethod
+  def _length(layout: StageLayout) -> int:
+    return len(layout.counts) * layout.slots
+
   def as_saved(self, abstract, shardings):
     """(abstract, shardings) to read a tree saved in the saved layout: its
     layer stacks at their saved length, whole over the layer axis."""
     if not self.needed:
       return abstract, shardings
-    length = len(self.saved.counts) * self.saved.slots
+    own, saved = self._length(self.own), self._length(self.saved)
 
     def shape(path, x):
-      return jax.ShapeDtypeStruct((length, *x.shape[1:]), x.dtype) if _is_stack(path) else x
+      return jax.ShapeDtypeStruct((saved, *x.shape[1:]), x.dtype) if _is_stack(path, x, own) else x
 
-    def sharding(path, s):
-      if not _is_stack(path):
+    def sharding(path, x, s):
+      if not _is_stack(path, x, own):
         return s
       return NamedSharding(s.mesh, PartitionSpec(None, *s.spec[1:]), memory_kind=s.memory_kind)
     return (jax.tree_util.tree_map_with_path(shape, abstract),
-            jax.tree_util.tree_map_with_path(sharding, shardings))
+            jax.tree_util.tree_map_with_path(sharding, abstract, shardings))
 
   def moved(self, tree, shardings):
     """`tree` (read by `as_saved`) in this run's layout, laid out by `shardings`."""
     if not self.needed:
       return tree
 
+    saved = self._length(self.saved)
+
     def move(path, x):
-      return self.own.to_slots(self.saved.from_slots(x)) if _is_stack(path) else x
+      return (self.own.to_slots(self.saved.from_slots(x)) if _is_stack(path, x, saved) else x)
     return jax.jit(lambda t: jax.tree_util.tree_map_with_path(move, t),
                    out_shardings=shardings)(tree)
 
