@@ -219,8 +219,9 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   if mesh.shape["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
-    _expert_dispatch(cfg, mesh, comm, rows, s, forwards,
-                     (m.num_layers - m.moe.first_dense_layers) // stages * passes)
+    # The routed layers the busiest stage runs, round by round (`stage_layers`).
+    routed = int(stage_layout(cfg).counts_VxP().max(axis=1).sum())
+    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed * passes)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
     sends = schedule_table(cfg.pipeline.schedule, stages, microbatches,
