@@ -16,7 +16,6 @@ from reference import random_batches
 from meshtrain.analysis import hlo
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train.loss import cross_entropy
-from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.pipelined import pipelined_loss
 from meshtrain.train.setup import build
 
@@ -69,8 +68,7 @@ def test_forward_only_pipelined_loss_matches_the_plain_model():
   setup = build(cfg)
   params = setup.init_state().params
   (batch,) = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size, seed=3)
-  loss_fn = pipelined_loss(setup.spec, cfg.pipeline, stage_layout(cfg), setup.mesh,
-                           setup.rules)
+  loss_fn = pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules)
   with jax.set_mesh(setup.mesh), nnx.logical_axis_rules(setup.rules.params):
     lowered = jax.jit(loss_fn).lower(params, jax.device_put(batch, setup.train_step.batch_sharding))
     compiled = lowered.compile()

@@ -87,9 +87,8 @@ def _loss_fn(cfg, setup: Setup):
   forward schedule on a pipeline mesh, else the training loss over the step's
   `grad_accum_steps` microbatches in turn."""
   if setup.mesh.shape["pipeline"] > 1:
-    return pipelined.pipelined_loss(setup.spec, cfg.pipeline,
-                                    parallelize.stage_layout(cfg), setup.mesh,
-                                    setup.rules)
+    return pipelined.pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules,
+                                    layout=parallelize.stage_layout(cfg))
 
   def microbatched(params, batch, model_state):
     losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch, model_state)[0],

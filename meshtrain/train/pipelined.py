@@ -84,13 +84,17 @@ def _with_positions(batch: dict) -> dict:
   return {**batch, "positions": default_positions(batch["inputs"], batch.get("segment_ids"))}
 
 
-def _executor(spec, pipeline_cfg, layout, mesh, rules, remat, schedule, replicas=False):
+def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, layout=None):
   """(params, batch, model state) -> (loss, counts, grads or None) of one
   pipelined batch, the layers' weights and gradients in `layout`'s slots, its
   counts per layer of the model; with
   `replicas`, local SGD's: params lead with a replica dimension over `data`,
-  each replica trains on its rows, loss and grads come back per replica."""
+  each replica trains on its rows, loss and grads come back per replica.
+  `layout` None: the even split of the model's layers."""
   pieces, tied = _pieces(spec, remat)
+  if layout is None:
+    layout = StageLayout.even(len(jax.tree.leaves(spec.abstract_params["layers"])[0]),
+                              mesh.shape["pipeline"], pipeline_cfg.virtual_stages)
   # `data` splits only the batch and `sequence` only the length: taken manual,
   # each device sums its own gradients and they are all-reduced once, after
   # the last tick.
@@ -125,18 +129,19 @@ def _executor(spec, pipeline_cfg, layout, mesh, rules, remat, schedule, replicas
   return run
 
 
-def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, layout: StageLayout, mesh: Mesh,
-                             rules: r.ShardingRules, remat: str, grad_accum_steps: int = 1,
-                             replicas: bool = False) -> GradsFn:
+def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
+                             remat: str, grad_accum_steps: int = 1, replicas: bool = False,
+                             layout: StageLayout | None = None) -> GradsFn:
   """(params, batch, model state) -> (mean loss, counts, float32 grads), the
-  layers' weights and gradients in `layout`'s slots (`parallelize.in_stage_slots`); `batch`
+  layers' weights and gradients in `layout`'s slots (`parallelize.in_stage_slots`;
+  None: the even split); `batch`
   split into `grad_accum_steps` parts run one after another (a larger batch
   at the memory of one), each through the pipeline in
   `pipeline_cfg.microbatches` microbatches. With `replicas`, of every local
   SGD replica at once ([R] losses, [R, ...] grads; see `_executor`)."""
   schedule = schedules.build(pipeline_cfg.schedule, mesh.shape["pipeline"],
                              pipeline_cfg.microbatches, pipeline_cfg.virtual_stages)
-  run = _executor(spec, pipeline_cfg, layout, mesh, rules, remat, schedule, replicas)
+  run = _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas, layout)
   if grad_accum_steps == 1:
     return run
 
@@ -152,8 +157,8 @@ def pipelined_value_and_grad(spec: ModelSpec, pipeline_cfg, layout: StageLayout,
   return accumulated
 
 
-def pipelined_loss(spec: ModelSpec, pipeline_cfg, layout: StageLayout, mesh: Mesh,
-                   rules: r.ShardingRules) -> LossFn:
+def pipelined_loss(spec: ModelSpec, pipeline_cfg, mesh: Mesh, rules: r.ShardingRules,
+                   layout: StageLayout | None = None) -> LossFn:
   """(params, batch, model state) -> mean loss, forward only (evaluation on a pipeline
   mesh): GPipe's forward wave, nothing stashed for a backward. `batch` holds
   `inputs`, `targets` and optionally `segment_ids`, `positions` ([B, L]),
@@ -161,5 +166,5 @@ def pipelined_loss(spec: ModelSpec, pipeline_cfg, layout: StageLayout, mesh: Mes
   the mesh and `rules.params` like the train step."""
   schedule = schedules.forward_only(mesh.shape["pipeline"], pipeline_cfg.microbatches,
                                     pipeline_cfg.virtual_stages)
-  run = _executor(spec, pipeline_cfg, layout, mesh, rules, "none", schedule)
+  run = _executor(spec, pipeline_cfg, mesh, rules, "none", schedule, layout=layout)
   return lambda params, batch, model_state=None: run(params, batch, model_state)[0]

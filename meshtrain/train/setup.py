@@ -241,10 +241,10 @@ def build(cfg, devices=None) -> Setup:
   def loss_fn(params, batch, model_state):
     return model_loss(merged(spec, params, model_state), order(batch))
 
-  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, parallelize.stage_layout(cfg),
-                                       mesh, rules, cfg.remat,
+  grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps,
-                                       replicas=bool(cfg.local_sgd.inner_steps))
+                                       replicas=bool(cfg.local_sgd.inner_steps),
+                                       layout=parallelize.stage_layout(cfg))
               if mesh.shape["pipeline"] > 1 else None)
   if cfg.local_sgd.inner_steps:
     step = local_sgd.LocalSGDStep(cfg.local_sgd, spec, loss_fn, optimizer, mesh, rules,
