@@ -15,7 +15,7 @@ from meshtrain.analysis import calibration, clusters, costs, published, search
 from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline.stages import StageLayout
+from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
 from meshtrain.train.setup import sharding_rules
 
 
@@ -189,7 +189,7 @@ def test_a_pipeline_chunk_works_for_its_layers_and_the_last_for_the_head():
 def test_stage_splits_balance_the_head_and_layers_that_do_not_divide():
   # 10 layers on 4 chunks: the two extra layers go to the middle chunks, as
   # the runtime's own suggestion has them where nothing else weighs.
-  assert search.balanced_split(10, 4, 0.0, 0.0) == (2, 3, 3, 2)
+  assert balanced_counts(10, 4, 0.0, 0.0) == (2, 3, 3, 2)
   assert StageLayout.balanced(10, 2, 2).counts == (2, 3, 3, 2)
   # 126 layers on 16 stages, the head worth 0.6 of a layer: 14 stages of 8,
   # the first and the last (8 - 1 + 0.6) of 7.

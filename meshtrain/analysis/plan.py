@@ -291,9 +291,24 @@ def stage_layers(cfg) -> tuple[int, int]:
   if layout.even_split:
     return (m.num_layers // layout.num_stages,
             m.num_layers // (layout.num_stages * layout.num_chunks))
-  work = layout.counts_VxP().copy()
-  work[0, 0] += m.moe.first_dense_layers if m.moe.num_experts else 0
-  return int(work.max(axis=1).sum()), layout.slots
+  return int(chunk_layers(cfg).max(axis=1).sum()), layout.slots
+
+
+def dense_layers(cfg) -> int:
+  """An MoE model's leading dense layers (`moe.first_dense_layers`), which
+  run before the stacked ones, on a pipeline's first chunk; 0 for a dense
+  model."""
+  moe = cfg.model.moe
+  return moe.first_dense_layers if moe.num_experts else 0
+
+
+def chunk_layers(cfg, per_layer: float = 1) -> np.ndarray:
+  """[V, P] the work of chunk v of stage s in a step at `per_layer` a layer
+  (1: in layers): its stacked layers (`stage_layout`), and on the first
+  chunk also the `dense_layers`."""
+  work = stage_layout(cfg).counts_VxP() * per_layer
+  work[0, 0] += dense_layers(cfg) * per_layer
+  return work
 
 
 def stacked_slots(cfg) -> int | None:

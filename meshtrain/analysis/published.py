@@ -11,6 +11,7 @@ import dataclasses
 
 from meshtrain import config as config_lib
 from meshtrain.analysis import clusters
+from meshtrain.parallel.pipeline.stages import balanced_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +51,13 @@ def fewer_at_the_ends(layers: int, chunks: int) -> str:
   """`config.pipeline.stage_layers` with one layer fewer on the first and the
   last chunk than on the others (Megatron-Core's
   account_for_embedding_in_pipeline_split: the embedding and the head each
-  take a layer's place)."""
+  take a layer's place): `balanced_counts` with a layer's worth more on each
+  end. ValueError where the layers and the two ends do not make equal
+  chunks of 2 or more."""
   per_chunk, rest = divmod(layers + 2, chunks)
   if rest or per_chunk < 2:
     raise ValueError(f"{layers} layers and 2 ends do not make {chunks} chunks of 2 or more")
-  return ",".join([str(per_chunk - 1)] + [str(per_chunk)] * (chunks - 2) + [str(per_chunk - 1)])
+  return ",".join(map(str, balanced_counts(layers, chunks, first=1, last=1)))
 
 
 # Dubey et al. 2024, Section 3.3.2: one layer fewer on the first and the last

@@ -49,11 +49,12 @@ from meshtrain import rules as r
 from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.models import flops
 from meshtrain.parallel import experts
+from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 from meshtrain.train import setup as setup_lib
-from meshtrain.train.parallelize import llama_spec, model_config, slots, stage_layout
+from meshtrain.train.parallelize import llama_spec, model_config, slots
 
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
@@ -231,8 +232,7 @@ class StepModel:
     # the model's average one): the last pipeline chunk's work beyond its own.
     self.head_flops = 6 * m.embed_dim * m.vocab_size
     self.head_layers = self.head_flops * m.num_layers / (self.flops_per_token - self.head_flops)
-    moe = cfg.model.moe
-    self.dense_layers = moe.first_dense_layers if moe.num_experts else 0  # run on stage 0
+    self.dense_layers = plan_lib.dense_layers(cfg)
     self.activations = _ActivationModel(cfg, cluster.flash_attention)
     self._reports: dict[Candidate, dict] = {}
 
@@ -290,8 +290,9 @@ class StepModel:
     """[V, P] seconds a step computes on a device for each chunk v of stage s:
     the hardware FLOPs at the kernel efficiency plus `memory_bound_s`, all
     devices alike without a pipeline ([1, 1]). With one, each chunk's layers
-    (`config.pipeline.stage_layers`; an MoE model's leading dense layers on
-    the first chunk) and on the last chunk the head's matmuls."""
+    (`plan.chunk_layers`: `config.pipeline.stage_layers`, and an MoE model's
+    leading dense layers on the first chunk) and on the last chunk the
+    head's matmuls."""
     sizes, cluster = c.sizes, self.cluster
     per_token = self.flops_per_token + self.recompute_per_token(c)
     flops_s = (cfg.global_batch * cfg.seq_len * per_token / math.prod(sizes.values())
@@ -302,8 +303,7 @@ class StepModel:
       return np.array([[flops_s + memory_s]])
     head = self.head_flops / per_token  # the head's share of the FLOPs
     layer_s = ((1 - head) * flops_s + memory_s) * stages / cfg.model.num_layers
-    work_VxP = stage_layout(cfg).counts_VxP() * layer_s
-    work_VxP[0, 0] += self.dense_layers * layer_s
+    work_VxP = plan_lib.chunk_layers(cfg, layer_s)
     work_VxP[-1, -1] += head * flops_s * stages
     return work_VxP
 
@@ -441,29 +441,6 @@ def microbatch_counts(rows: int, stages: int) -> list[int]:
   return counts + ([rows] if stages <= rows <= 8 * stages and rows not in counts else [])
 
 
-def _chunk_extras(chunks: int, first: float, last: float) -> list[float]:
-  """Each chunk's work beyond its layers, in layers: `first` on the first, `last` on the last."""
-  extras = [0.0] * chunks
-  extras[0] += first
-  extras[-1] += last
-  return extras
-
-
-def balanced_split(layers: int, chunks: int, first: float, last: float) -> tuple[int, ...]:
-  """Layers per chunk in model order, at least one each, that leave the most
-  loaded chunk the least work, where the first chunk also does `first`
-  layers' worth (an MoE model's leading dense layers) and the last `last`
-  (the head): a layer at a time to the chunk it leaves least loaded, of
-  equals the one nearest the middle of the model (so the chunks at the ends,
-  which also embed and run the head, keep fewer). With no such work, the
-  runtime's `StageLayout.balanced`."""
-  counts, extras = [1] * chunks, _chunk_extras(chunks, first, last)
-  order = sorted(range(chunks), key=lambda c: abs(2 * c - (chunks - 1)))
-  for _ in range(layers - chunks):
-    counts[min(order, key=lambda c: counts[c] + extras[c])] += 1
-  return tuple(counts)
-
-
 # The most a pipeline chunk may do over the mean of all chunks (layers, and
 # the head's and the first chunk's extra work) for the search to try the
 # split: in lock step every stage waits for the busiest, so beyond this a
@@ -479,16 +456,15 @@ def stage_split(layers: int, stages: int, chunks: int, first: float, last: float
   """The `config.pipeline.stage_layers` to try for `layers` layers on
   `stages` stages of `chunks` chunks: the even split ("") where the chunks
   divide the layers and no other split leaves the busiest chunk less work,
-  else `balanced_split`'s (layers that do not divide; a head worth more
+  else `balanced_counts`' (layers that do not divide; a head worth more
   than a layer). None where some chunk would have no layer, or the busiest
   would do more than MOST_OVER_MEAN of the mean. One split per stage count
   and chunks, so that the search stays about as fast."""
   n = stages * chunks
   if layers < n:
     return None
-  extras = _chunk_extras(n, first, last)
-  busiest = lambda counts: max(map(sum, zip(counts, extras)))  # noqa: E731
-  even, balanced = (layers // n,) * n, balanced_split(layers, n, first, last)
+  busiest = lambda counts: max(chunk_loads(counts, first, last))  # noqa: E731
+  even, balanced = (layers // n,) * n, balanced_counts(layers, n, first, last)
   split = even if layers % n == 0 and busiest(balanced) >= busiest(even) else balanced
   if busiest(split) > MOST_OVER_MEAN * (layers + first + last) / n:
     return None

@@ -19,6 +19,34 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def chunk_loads(counts, first: float = 0.0, last: float = 0.0) -> list[float]:
+  """Each chunk's work in layers: its `counts` layers, and `first` layers'
+  worth more on the first chunk, `last` more on the last."""
+  loads = list(counts)
+  loads[0] += first
+  loads[-1] += last
+  return loads
+
+
+def balanced_counts(layers: int, chunks: int, first: float = 0.0,
+                    last: float = 0.0) -> tuple[int, ...]:
+  """Layers per chunk in model order, `layers` in all, that leave the busiest
+  chunk (`chunk_loads`: the first also does `first`, such as an MoE model's
+  leading dense layers, the last `last`, such as the head) the least work:
+  a layer at a time to an empty chunk while there is one, else to the chunk
+  it leaves least loaded; of equals, the one nearest the middle of the
+  model, so that the chunks at the ends, which also embed and run the head,
+  keep fewer. Every chunk gets a layer where there are as many; with no
+  extra work, the layers go as evenly as they go, the spare ones (or, with
+  fewer layers than chunks, the layers) on the chunks nearest the middle."""
+  counts = [0] * chunks
+  order = sorted(range(chunks), key=lambda c: abs(2 * c - (chunks - 1)))
+  for _ in range(layers):
+    loads = chunk_loads(counts, first, last)
+    counts[min(order, key=lambda c: (counts[c] > 0, loads[c]))] += 1
+  return tuple(counts)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
   counts: tuple[int, ...]  # layers of chunk c = v*P + s, in model order
@@ -34,13 +62,9 @@ class StageLayout:
 
   @classmethod
   def balanced(cls, num_layers: int, num_stages: int, num_chunks: int) -> "StageLayout":
-    """The layers as evenly as they go, the spare ones on the chunks nearest
-    the middle (the first and the last stage also run the embedding and the
-    head); even where they divide."""
-    chunks = num_stages * num_chunks
-    base, spare = divmod(num_layers, chunks)
-    middle = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:spare]
-    return cls(tuple(base + (c in middle) for c in range(chunks)), num_stages)
+    """`balanced_counts` of the layers over the stages' chunks, with no work
+    beyond the layers: even where they divide."""
+    return cls(balanced_counts(num_layers, num_stages * num_chunks), num_stages)
 
   @classmethod
   def parse(cls, text: str, num_layers: int, num_stages: int, num_chunks: int) -> "StageLayout":
