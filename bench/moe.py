@@ -3,7 +3,7 @@ parameters and against a plain loop over experts; loss and balance on
 shakespeare BPE.
 
   python bench/moe.py speed [--steps 4] [--rounds 3]
-  python bench/moe.py quality [--steps 200]
+  python bench/moe.py quality [--steps 600] [--seeds 3]
 
 speed: on 8 simulated CPU devices, the tiny model (4 layers, width 128,
 global batch 16 x 128 tokens) as a dense SwiGLU (hidden 384) and as 8
@@ -18,11 +18,16 @@ step. Writes bench/results/moe_speed.json and its table in docs/moe.md.
 
 quality: the same dense model and 8 experts top-2 trained `steps` steps on
 shakespeare with a 1024-id BPE (`meshtrain prepare`, into a temporary
-directory), on `fsdp=8`: without balancing, with the switch loss (coef 0.01
-and 0.1) and with DeepSeek-V3's bias (rate 1e-2, no switch loss: its 1e-3 is
-for runs of thousands of steps). Evaluates every 25
-steps on the held-out split; draws docs/moe.png (eval loss, busiest expert
-over the mean) and writes bench/results/moe_quality.json and its table.
+directory), on `fsdp=8`, each with `seeds` seeds (a seed draws the
+parameters and the data order; a dense run and an MoE run of one seed read
+the same batches, so their difference is paired): without balancing, with
+the switch loss (coef 0.1) and with DeepSeek-V3's bias (rate 1e-2, no switch
+loss: its 1e-3 is for runs of thousands of steps). The experts take at most
+1.25 x their share of a sequence's tokens (`capacity_factor` 1.25, as Switch
+and GShard train; the dropped fraction is in the table). Evaluates every 25
+steps on the held-out split; draws docs/moe.png (mean eval loss over the
+seeds, busiest expert over the mean) and writes bench/results/moe_quality.json
+and its table.
 """
 
 import argparse
@@ -58,10 +63,10 @@ DOC = REPO / "docs" / "moe.md"
 EXPERTS = dict(num_experts=8, experts_per_token=2, mlp_dim=192)  # active = the dense 384
 BALANCING = {
     "8 experts top-2, no balancing": dict(aux_loss_coef=0.0),
-    "8 experts top-2, switch loss 0.01": dict(aux_loss_coef=0.01),
     "8 experts top-2, switch loss 0.1": dict(aux_loss_coef=0.1),
     "8 experts top-2, bias 1e-2": dict(aux_loss_coef=0.0, bias_update_rate=1e-2),
 }
+QUALITY_CAPACITY = 1.25
 
 
 def config(moe: dict | None = None, **changes):
@@ -117,49 +122,81 @@ def speed(steps: int, rounds: int):
   print("\n".join(table))
 
 
-def quality(steps: int):
+def quality(steps: int, seeds: int):
   runs = {"dense (hidden 384)": None, **BALANCING}
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     prepare([str(SHAKESPEARE)], "train:1024", f"{tmp}/corpus")
     for name, moe in runs.items():
-      print(f"training {name}", flush=True)
-      cfg = config(moe=moe, steps=steps, workdir=f"{tmp}/{len(results)}", log_every=1)
-      cfg.model.vocab_size = 1024
-      cfg.data.update(source="tokens", path=f"{tmp}/corpus")
-      cfg.eval.update(every_steps=25, batches=8)
-      records = train(cfg)
-      spec = llama_spec(model_config(cfg))
-      results.append({
-          "run": name, "active_params": active_params(model_config(cfg), spec.abstract_params),
-          "total_params": total_params(spec.abstract_params),
-          "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
-          "eval_steps": [r["step"] for r in records if "eval_loss" in r],
-          "eval_loss": [r["eval_loss"] for r in records if "eval_loss" in r],
-          "load_max_over_mean": [r.get("moe_load_max_over_mean") for r in records]})
+      for seed in range(seeds):
+        print(f"training {name}, seed {seed}", flush=True)
+        moe_cfg = None if moe is None else moe | dict(capacity_factor=QUALITY_CAPACITY)
+        cfg = config(moe=moe_cfg, steps=steps, seed=seed,
+                     workdir=f"{tmp}/{len(results)}", log_every=1)
+        cfg.model.vocab_size = 1024
+        cfg.data.update(source="tokens", path=f"{tmp}/corpus")
+        cfg.eval.update(every_steps=25, batches=8)
+        records = train(cfg)
+        spec = llama_spec(model_config(cfg))
+        results.append({
+            "run": name, "seed": seed,
+            "active_params": active_params(model_config(cfg), spec.abstract_params),
+            "total_params": total_params(spec.abstract_params),
+            "steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
+            "eval_steps": [r["step"] for r in records if "eval_loss" in r],
+            "eval_loss": [r["eval_loss"] for r in records if "eval_loss" in r],
+            "load_max_over_mean": [r.get("moe_load_max_over_mean") for r in records],
+            "dropped_fraction": [r.get("moe_dropped_fraction") for r in records]})
   draw(results, REPO / "docs" / "moe.png")
-  table = ["| run | parameters (active / total) | eval loss | busiest expert / mean "
-           "(mean of the last 20 steps) |", "|---|---|---|---|"]
+  table = quality_table(results)
+  write_section("moe_quality", results, f"{steps} steps of 16 x 128 tokens, {seeds} seeds, eval "
+                "on 8 held-out batches.\n\n" + table, doc=DOC,
+                command=f"python bench/moe.py quality --steps {steps} --seeds {seeds}")
+  print(table)
+
+
+def by_run(results: list[dict]) -> dict[str, list[dict]]:
+  """The runs' names in order, each with its seeds' results."""
+  runs: dict[str, list[dict]] = {}
   for r in results:
-    load = r["load_max_over_mean"][-20:]
-    load_text = "—" if load[0] is None else f"{np.mean(load):.2f}"
-    table.append(f"| {r['run']} | {r['active_params'] / 1e6:.2f}M / "
-                 f"{r['total_params'] / 1e6:.2f}M | {r['eval_loss'][-1]:.4f} | {load_text} |")
-  write_section("moe_quality", results, f"{steps} steps of 16 x 128 tokens, eval on 8 held-out "
-                "batches.\n\n" + "\n".join(table), doc=DOC,
-                command=f"python bench/moe.py quality --steps {steps}")
-  print("\n".join(table))
+    runs.setdefault(r["run"], []).append(r)
+  return runs
+
+
+def quality_table(results: list[dict]) -> str:
+  """Each run's final eval loss (mean and range over seeds), its difference
+  from the dense run of the same seed, balance and dropped tokens (means of
+  the last 20 steps over the seeds)."""
+  runs = by_run(results)
+  dense = {r["seed"]: r["eval_loss"][-1] for r in next(iter(runs.values()))}
+  rows = ["| run | parameters (active / total) | eval loss, mean (min-max) | minus dense, "
+          "same seed: mean (each seed) | busiest expert / mean | dropped |",
+          "|---|---|---|---|---|---|"]
+  for name, seeds in runs.items():
+    final = np.array([r["eval_loss"][-1] for r in seeds])
+    params = f"{seeds[0]['active_params'] / 1e6:.2f}M / {seeds[0]['total_params'] / 1e6:.2f}M"
+    cells = [name, params,
+             f"{final.mean():.4f} ({final.min():.4f}-{final.max():.4f})", "—", "—", "—"]
+    if seeds[0]["load_max_over_mean"][0] is not None:
+      diff = [r["eval_loss"][-1] - dense[r["seed"]] for r in seeds]
+      cells[3] = f"{np.mean(diff):+.4f} ({', '.join(f'{d:+.3f}' for d in diff)})"
+      cells[4] = f"{np.mean([v for r in seeds for v in r['load_max_over_mean'][-20:]]):.2f}"
+      cells[5] = f"{np.mean([v for r in seeds for v in r['dropped_fraction'][-20:]]):.1%}"
+    rows.append("| " + " | ".join(cells) + " |")
+  return "\n".join(rows)
 
 
 def draw(results: list[dict], path: Path):
   fig, (loss_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4))
-  for r, color in zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-    loss_ax.plot(r["eval_steps"], r["eval_loss"], marker="o", markersize=3, label=r["run"],
-                 color=color)
-    if r["load_max_over_mean"][0] is not None:
-      load_ax.plot(r["steps"], r["load_max_over_mean"], label=r["run"], linewidth=1, color=color)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for (name, seeds), color in zip(by_run(results).items(), colors):
+    loss_ax.plot(seeds[0]["eval_steps"], np.mean([r["eval_loss"] for r in seeds], axis=0),
+                 marker="o", markersize=3, label=name, color=color)
+    if seeds[0]["load_max_over_mean"][0] is not None:
+      load_ax.plot(seeds[0]["steps"], np.mean([r["load_max_over_mean"] for r in seeds], axis=0),
+                   label=name, linewidth=1, color=color)
   loss_ax.set_xlabel("step")
-  loss_ax.set_ylabel("eval loss (held-out shakespeare)")
+  loss_ax.set_ylabel("eval loss (held-out shakespeare), mean over seeds")
   loss_ax.set_title("same active parameters")
   loss_ax.legend(fontsize=8)
   load_ax.axhline(1.5, color="grey", linestyle="--", linewidth=1)
@@ -177,11 +214,12 @@ def main():
   parser.add_argument("part", choices=("speed", "quality"))
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args()
   if args.part == "speed":
     speed(args.steps or 4, args.rounds)
   else:
-    quality(args.steps or 200)
+    quality(args.steps or 600, args.seeds)
 
 
 if __name__ == "__main__":
