@@ -6,6 +6,8 @@ FSDP are checked in test_zero.py from the static counts, which are exact there.
 """
 
 import collections
+import math
+import re
 
 import jax
 import pytest
@@ -153,3 +155,29 @@ def test_interleaved_uneven_stages_wait_round_by_round():
   assert stacked_slots(cfg) == 12
   cfg.update({"model": {"num_layers": 12}, "pipeline": {"stage_layers": ""}})
   assert stage_layers(cfg) == (6, 3) and stacked_slots(cfg) is None
+
+
+def tick_loop_float32_bytes(compiled) -> int:
+  """Bytes of the float32 arrays the pipeline's tick loop carries (the
+  compiled program's while loop with the most operands)."""
+  carries = re.findall(r"%while[.0-9]* = \((.*?)\) while\(", compiled.as_text())
+  return sum(4 * math.prod(int(n) for n in shape.split(",") if n)
+             for shape in re.findall(r"f32\[([0-9,]*)\]", max(carries, key=len)))
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2), dict(data=1, fsdp=4)],
+                         ids=["data=2", "data=1"])
+def test_pipeline_gradient_sums_are_what_the_tick_loop_carries(mesh):
+  """A pipeline stage sums its gradients in float32 in the tick loop and
+  reduces them over `data` after it: the sums are the stage's weights whole
+  beside `data` = 2 (not split over `data`, nor over `fsdp`), split over
+  `fsdp` where `data` = 1. bfloat16 weights and activations, weights larger
+  than activations: the loop's float32 carry is the sums and little else."""
+  cfg = micro_config(**{"mesh.data": mesh["data"], "mesh.fsdp": mesh["fsdp"], "mesh.pipeline": 2,
+                        "zero_stage": 1, "pipeline.microbatches": 2, "global_batch": 8,
+                        "model.embed_dim": 256, "model.mlp_dim": 2048, "model.num_kv_heads": 4,
+                        "model.head_dim": 64, "param_dtype": "bfloat16",
+                        "compute_dtype": "bfloat16"})
+  setup = build(cfg)
+  planned = analytic(cfg, setup.spec, setup.rules, setup.mesh, activations=0)["memory_bytes"]
+  assert tick_loop_float32_bytes(compile_step(setup)) == pytest.approx(planned["grads"], rel=0.10)

@@ -77,6 +77,24 @@ def elementwise_seconds(tokens: float, widths: float, passes: float,
   return passes * tokens * widths * element_bytes / memory_bandwidth
 
 
+# Bytes XLA's masked attention moves through memory per score element of a
+# layer (`meshtrain.parallel.attention`, bf16 inputs): forward, the float32
+# scores written and read by the softmax, the bf16 probabilities written and
+# read by the PV matmul (4 + 4 + 2 + 2); backward, the probabilities read for
+# dV, the float32 dP written and read, the probabilities read again, the bf16
+# dS written and read by the dQ and dK matmuls (2 + 4 + 4 + 2 + 2 + 2 + 2);
+# the forward again where recomputed.
+SCORE_BYTES = {"forward": 12, "backward": 18}
+
+
+def attention_scores_seconds(elements: float, recomputed: bool, memory_bandwidth: float) -> float:
+  """Forward and backward of XLA's attention over `elements` scores of one
+  layer (and the forward again where `recomputed`): their float32 scores and
+  bf16 probabilities through memory (`SCORE_BYTES`)."""
+  passes = SCORE_BYTES["forward"] * (1 + recomputed) + SCORE_BYTES["backward"]
+  return elements * passes / memory_bandwidth
+
+
 def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> float:
   """Of `traffic_s` issued evenly over `layers` layers that together compute
   for `compute_s`, what shows: one layer's traffic, plus in every other

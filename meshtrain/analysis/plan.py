@@ -10,6 +10,9 @@ The analytic model follows each weight through the three layouts of
   accumulator --all-reduce (or reduce-scatter into the optimizer layout) over
       the remaining batch axes, once per step--> optimizer
 
+(a pipeline's stages keep float32 sums instead, reduced after the last tick:
+`pipeline_sums`).
+
 "Batch axes" are the mesh axes that split the batch (`data`, `fsdp`); the other
 axes a weight is split over (`tensor`) stay split in compute. Uneven pipeline
 stages (`config.pipeline.stage_layers`) hold every chunk in the largest
@@ -112,7 +115,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   token_axes = batch_axes | {a for a in ("sequence", "tensor") if mesh.shape[a] > 1 and (
       a == "sequence" or cfg.tensor_sequence_parallel)}
   per_replica = accum > 1 and "data" in batch_axes
-  microbatches = cfg.pipeline.microbatches if mesh.shape["pipeline"] > 1 else 1
+  pipelined = mesh.shape["pipeline"] > 1
+  microbatches = cfg.pipeline.microbatches if pipelined else 1
 
   m = cfg.model
   memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
@@ -142,7 +146,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     memory["params"] += (4 * master if same else param_bytes * working) / (layers if streamed else 1)
     memory["optimizer"] += (8 * master * (not cfg.offload.optimizer)
                             + 4 * master * (not same and not master_on_host))
-    memory["grads"] += grad_bytes * grads
+    memory["grads"] += (4 * pipeline_sums(compute, p_axes & gathered, mesh) if pipelined
+                        else grad_bytes * grads)
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
     comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers, mesh,
@@ -176,6 +181,18 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   if activations is None and cfg.remat == "offload":
     memory["host_activations"] = activation_bytes(cfg, mesh, rules, on_host=True)
   return {"memory_bytes": {k: int(v) for k, v in memory.items()}, "collectives": collectives}
+
+
+def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
+  """Elements of one weight's gradient sum on a pipeline stage: the
+  executor (`runtime.initial_state`) sums every microbatch's gradients in
+  float32 in the layout the stage computes with (`compute` elements, split
+  over `tensor` and the stage's layers) and reduces them over `data` and
+  `sequence`, manual axes of its shard_map, only after the last tick, so
+  neither divides them. `fsdp`, automatic there, splits them as it splits
+  the working weights (`gathered_axes`) where `data` is 1; beside a manual
+  `data` the compiled tick loop holds them whole (tests/test_plan.py)."""
+  return compute / (_prod(gathered_axes, mesh) if mesh.shape["data"] == 1 else 1)
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm) -> None:

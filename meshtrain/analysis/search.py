@@ -9,7 +9,9 @@ Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`)
             FLOPs (`meshtrain.models.flops`, PaLM's count) plus what
             recomputation adds (a layer forward under remat=full, the
             attention core under selective); plus what each weight matmul
-            on its per-device shape loses to memory bandwidth (roofline).
+            on its per-device shape loses to memory bandwidth (roofline),
+            and where XLA's attention runs (under `sequence`, or with no
+            flash kernel) its scores through memory.
             All devices do alike, but on a pipeline: there each chunk does
             its layers' share (`config.pipeline.stage_layers`) and the last
             also the head's matmuls; compute is the busiest stage's.
@@ -21,11 +23,14 @@ Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`)
   overlap   traffic over the batch axes (data, fsdp: weight gathers and
             gradient reductions, issued layer by layer) hides behind each
             layer's compute, one layer's worth always exposed; tensor,
-            sequence, pipeline and all-to-all traffic is exposed.
+            sequence, pipeline and all-to-all traffic is exposed, and so is
+            what runs once outside the layers (`StepModel.outside_layers`:
+            a pipeline's gradient reduction and ZeRO-1 gather, the
+            reduction after accumulation).
   bubble    meshtrain's lock-step schedule table with every op at its
             chunk's cost, a tick as long as its longest op: the idle ticks
-            and the waits for a busier stage; exposed traffic stretched by
-            1/(1 - the table's idle share).
+            and the waits for a busier stage; exposed traffic within the
+            ticks stretched by 1/(1 - the table's idle share).
 
 Memory is `plan`'s: state from the rules, activations from the residuals the
 model saves (traced once per kind of layout and scaled: `_ActivationModel`),
@@ -265,10 +270,11 @@ class StepModel:
   def memory_bound_s(self, c: Candidate, cfg) -> float:
     """Per step on this device, what memory bandwidth adds to the matmuls'
     FLOPs at the kernel efficiency: what the weight matmuls lose on their
-    per-device shapes (the roofline), and the elementwise work (norms,
+    per-device shapes (the roofline), the elementwise work (norms,
     residual adds, the SwiGLU product, rotary, softmax outside the fused
     kernel): `elementwise` bf16 passes over each token's activation widths
-    a layer (`costs.elementwise_seconds`), fitted with the efficiency."""
+    a layer (`costs.elementwise_seconds`), fitted with the efficiency; and
+    XLA attention's scores (`score_elements`, `costs.attention_scores_seconds`)."""
     sizes, cluster = c.sizes, self.cluster
     if not cluster.memory_bandwidth:
       return 0.0
@@ -284,7 +290,24 @@ class StepModel:
     widths = sum(n for _, _, n in gemms)  # the activations the layer's matmuls write
     elementwise = costs.elementwise_seconds(tokens, widths, self.elementwise,
                                             cluster.memory_bandwidth)
-    return (excess + elementwise) * passes * layers * microbatches
+    scores = costs.attention_scores_seconds(self.score_elements(c, cfg, rows), c.remat != "none",
+                                            cluster.memory_bandwidth)
+    return ((excess + elementwise) * passes + scores) * layers * microbatches
+
+  def score_elements(self, c: Candidate, cfg, rows: float) -> float:
+    """Attention scores one layer of one microbatch of `rows` sequences a
+    device writes through memory: XLA's masked attention (`parallel.attention`)
+    runs under `sequence` > 1 (every strategy: all_gather_kv's local queries
+    against every key, ulysses' local heads over the whole length, the
+    ring's blocks, (n + 1) / 2n of those) and where the cluster has no flash
+    kernel; cuDNN's flash attention, on one device's whole length, keeps its
+    scores on chip (0)."""
+    sizes, m = c.sizes, cfg.model
+    n = sizes["sequence"]
+    if n == 1 and self.cluster.flash_attention:
+      return 0.0
+    ring = (n + 1) / (2 * n) if n > 1 and cfg.attention.sequence_strategy == "ring" else 1.0
+    return rows * m.num_heads / sizes["tensor"] * cfg.seq_len / n * cfg.seq_len * ring
 
   def chunk_work(self, c: Candidate, cfg) -> np.ndarray:
     """[V, P] seconds a step computes on a device for each chunk v of stage s:
@@ -359,6 +382,40 @@ class StepModel:
         self.cluster.inter_host if inter else self.cluster.intra_host,
         costs.HOP_LATENCY["inter" if inter else "intra"])
 
+  @staticmethod
+  def outside_layers(c: Candidate, coll: dict) -> bool:
+    """Whether a collective of `plan.analytic` runs once a step outside the
+    layers' compute: in a pipeline the gradients' reduction over `data` and
+    `sequence` (after the last tick) and ZeRO-1's weight gather over `data`
+    (before the first); with accumulation (no pipeline) each `data`
+    replica's summed gradients reduced after the microbatches' scan."""
+    axes = set(coll["axis"].split("+"))
+    reduction = coll["kind"] in ("reduce-scatter", "all-reduce") and "data" in axes
+    if c.sizes["pipeline"] > 1:
+      return (reduction or coll["kind"] == "all-gather" and "data" in axes
+              or coll["kind"] == "all-reduce" and "sequence" in axes)
+    return c.grad_accum_steps > 1 and reduction
+
+  def outside_layers_s(self, c: Candidate, report: dict, crossing: list[str]) -> dict:
+    """Seconds of the `outside_layers` collectives, none hidden. A
+    pipeline's reduction is of its float32 sums (`plan.pipeline_sums`, the
+    `grads` bytes) over data x sequence: a reduce-scatter where ZeRO splits
+    the optimizer over `data`, else an all-reduce."""
+    sizes = c.sizes
+    if sizes["pipeline"] == 1:
+      return {"data (after accumulation)": sum(
+          self.collective_s(coll, sizes, crossing) for coll in report["collectives"]
+          if self.outside_layers(c, coll))}
+    gather = sum(self.collective_s(coll, sizes, crossing) for coll in report["collectives"]
+                 if coll["kind"] == "all-gather" and self.outside_layers(c, coll))
+    axes = [a for a in ("data", "sequence") if sizes[a] > 1]
+    n = math.prod(sizes[a] for a in axes)
+    kind = "reduce-scatter" if c.zero_stage and sizes["data"] > 1 else "all-reduce"
+    grads = report["memory_bytes"]["grads"] * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+    reduction = self.collective_s({"kind": kind, "axis": "+".join(axes), "count": 1,
+                                   "bytes": grads}, sizes, crossing) if axes else 0.0
+    return {"data (before the ticks)": gather, "data+sequence (after the ticks)": reduction}
+
   def estimate(self, c: Candidate, cfg=None, report: dict | None = None) -> Estimate:
     cfg = cfg or c.config(self.cfg)
     report = report or self.analytic(cfg, c)
@@ -371,8 +428,11 @@ class StepModel:
     work_VxP = self.chunk_work(c, cfg)
     compute = float(work_VxP.sum(axis=0).max())  # the busiest stage's
     crossing = across_hosts(sizes, cluster)
+    once = self.outside_layers_s(c, report, crossing)
     by_axis: dict[str, float] = {}
     for coll in report["collectives"]:
+      if self.outside_layers(c, coll):
+        continue
       # A layer waits for its tokens' dispatch: an all-to-all hides behind nothing.
       key = coll["axis"] + (" all-to-all" if coll["kind"] == "all-to-all" else "")
       by_axis[key] = by_axis.get(key, 0.0) + self.collective_s(coll, sizes, crossing)
@@ -390,6 +450,7 @@ class StepModel:
                                     c.virtual_stages)
       bubble = (costs.lockstep_seconds(c.schedule, c.microbatches, work_VxP) - compute
                 + sum(exposed.values()) * share / (1 - share))
+    exposed |= {k: v for k, v in once.items() if v > 0}
     step = compute + sum(exposed.values()) + bubble
     return Estimate(
         c, step, compute, exposed, bubble, memory, model_flops, hardware_flops,
@@ -428,17 +489,14 @@ def expert_layouts(cfg, sizes: dict) -> list[str | None]:
 
 
 def microbatch_counts(rows: int, stages: int) -> list[int]:
-  """Pipeline microbatch counts to try for `rows` sequences per replica: from
-  the least count of at least p that divides the rows (p itself where it
-  does), doubling up to 8p as far as the rows divide (the lock-step bubble
-  is then under 1/9 and falls little further while each microbatch
-  shrinks), with one sequence a microbatch (as published pipelines often
-  run) among them where the rows are that few."""
-  counts, count = [], next((n for n in range(stages, rows + 1) if rows % n == 0), rows + 1)
-  while count <= min(rows, 8 * stages) and rows % count == 0:
-    counts.append(count)
-    count *= 2
-  return counts + ([rows] if stages <= rows <= 8 * stages and rows not in counts else [])
+  """Pipeline microbatch counts to try for `rows` sequences per replica:
+  every count from p stages to 8p that divides the rows (`candidates` keeps
+  interleaving to the multiples of p, as meshtrain's validation does). Not
+  beyond 8p: the lock-step bubble is under 1/9 there and falls little
+  further while each microbatch shrinks, and every divisor up to the rows
+  (2,048 on a replica of Llama 3 405B's batch) made bench/planner_validation.py
+  run over three times as long."""
+  return [n for n in _divisors(rows) if stages <= n <= 8 * stages]
 
 
 # The most a pipeline chunk may do over the mean of all chunks (layers, and
