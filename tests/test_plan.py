@@ -169,10 +169,11 @@ def tick_loop_float32_bytes(compiled) -> int:
                          ids=["data=2", "data=1"])
 def test_pipeline_gradient_sums_are_what_the_tick_loop_carries(mesh):
   """A pipeline stage sums its gradients in float32 in the tick loop and
-  reduces them over `data` after it: the sums are the stage's weights whole
-  beside `data` = 2 (not split over `data`, nor over `fsdp`), split over
-  `fsdp` where `data` = 1. bfloat16 weights and activations, weights larger
-  than activations: the loop's float32 carry is the sums and little else."""
+  reduces them over `data` after it: the sums are the stage's weights split
+  over `fsdp` as the weights are, whatever `data` is (not split over `data`,
+  whose reduction comes after the loop). bfloat16 weights and activations,
+  weights larger than activations: the loop's float32 carry is the sums and
+  little else."""
   cfg = micro_config(**{"mesh.data": mesh["data"], "mesh.fsdp": mesh["fsdp"], "mesh.pipeline": 2,
                         "zero_stage": 1, "pipeline.microbatches": 2, "global_batch": 8,
                         "model.embed_dim": 256, "model.mlp_dim": 2048, "model.num_kv_heads": 4,
@@ -180,4 +181,9 @@ def test_pipeline_gradient_sums_are_what_the_tick_loop_carries(mesh):
                         "compute_dtype": "bfloat16"})
   setup = build(cfg)
   planned = analytic(cfg, setup.spec, setup.rules, setup.mesh, activations=0)["memory_bytes"]
-  assert tick_loop_float32_bytes(compile_step(setup)) == pytest.approx(planned["grads"], rel=0.10)
+  carried = tick_loop_float32_bytes(compile_step(setup))
+  assert carried == pytest.approx(planned["grads"], rel=0.10)
+  params = setup.spec.abstract_params  # every stage sums the embedding's and the head's too
+  layers = sum(x.size for x in jax.tree.leaves(params["layers"]))
+  stage = sum(x.size for x in jax.tree.leaves(params)) - layers + layers / cfg.mesh.pipeline
+  assert carried == pytest.approx(4 * stage / mesh["fsdp"], rel=0.10)

@@ -151,7 +151,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
 
     comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
     comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers, mesh,
-             _gathers(names, cfg, mesh.shape["pipeline"] > 1 and "fsdp" in p_axes & gathered))
+             _gathers(names, cfg, pipelined and "fsdp" in p_axes & gathered))
     # Inside a pipeline a layer's gradients split over `fsdp` (automatic
     # there) are reduce-scattered in every microbatch's W.
     comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers, mesh,
@@ -187,12 +187,12 @@ def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
   """Elements of one weight's gradient sum on a pipeline stage: the
   executor (`runtime.initial_state`) sums every microbatch's gradients in
   float32 in the layout the stage computes with (`compute` elements, split
-  over `tensor` and the stage's layers) and reduces them over `data` and
-  `sequence`, manual axes of its shard_map, only after the last tick, so
-  neither divides them. `fsdp`, automatic there, splits them as it splits
-  the working weights (`gathered_axes`) where `data` is 1; beside a manual
-  `data` the compiled tick loop holds them whole (tests/test_plan.py)."""
-  return compute / (_prod(gathered_axes, mesh) if mesh.shape["data"] == 1 else 1)
+  over `tensor` and the stage's layers), further split over the automatic
+  axes that split the working weights for storage (`gathered_axes`: `fsdp`),
+  and reduces them over `data` and `sequence`, manual axes of its
+  shard_map, only after the last tick, so neither divides them
+  (tests/test_plan.py)."""
+  return compute / _prod(gathered_axes, mesh)
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm) -> None:

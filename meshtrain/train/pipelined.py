@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from meshtrain import rules as r
 from meshtrain.models.llama import REMAT_POLICIES, default_positions, run_layers
@@ -76,6 +76,20 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
   return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
 
 
+def _weight_specs(spec: ModelSpec, rules: r.Rules, tied: bool) -> dict:
+  """The PartitionSpecs of the executor's params (`_pieces`) under `rules`,
+  a layer's without its stacked axis; the model state is replicated."""
+  def specs(names, lead=0):  # without `lead` leading dimensions
+    return jax.tree.map(lambda n: P(*r.logical_to_spec(n, rules)[lead:]), names,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  names = spec.names
+  model_state = jax.eval_shape(spec.init_model_state) or {}
+  return {"embed": {"embed": specs(names["embed"]), "dense": specs(names.get("dense_layers", {}))},
+          "layers": {"params": specs(names["layers"], lead=1),
+                     "state": jax.tree.map(lambda _: P(), model_state.get("layers", {}))},
+          "head": {"head": specs(names["head"]), "tied": specs(names["embed"]) if tied else {}}}
+
+
 def _with_positions(batch: dict) -> dict:
   """Rotary positions made whole before `sequence` splits the length: each
   device then sees only its own tokens."""
@@ -101,6 +115,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
   batch_axes = ("data",) if mesh.shape["data"] > 1 and not replicas else ()
   length_axis = "sequence" if mesh.shape["sequence"] > 1 else None
   inner_rules = r.without_axis(r.without_axis(rules.params, "data"), "sequence")
+  weight_specs = _weight_specs(spec, inner_rules, tied)
 
   def run(params, batch, model_state=None):
     if length_axis:
@@ -115,7 +130,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
       loss, grads, stats = runtime.pipeline_loss_and_grads(
           schedule, mesh, **pieces, params=pieces_params, microbatches=microbatches,
           batch_axes=batch_axes, length_axis=length_axis,
-          replica_axis="data" if replicas else None, layout=layout)
+          replica_axis="data" if replicas else None, layout=layout, weight_specs=weight_specs)
     stats = jax.tree.map(jax.vmap(layout.from_slots), stats) if replicas else layout.from_slots(
         stats)
     if grads is None:

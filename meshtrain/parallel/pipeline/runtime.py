@@ -211,10 +211,21 @@ class Stage:
   manual: tuple[str, ...]
   layer: SplitVjp | None = None  # the layer's and the head's split backward (None: forward only)
   head: SplitVjp | None = None
+  weight_specs: dict | None = None  # see pipeline_loss_and_grads
 
   def sent(self, x: jax.Array) -> jax.Array:
     """An activation or its gradient, typed like every value a stage sends."""
     return _varying(x, self.manual)
+
+  def laid_out(self, state: dict) -> dict:
+    """`state` with its gradient sums split over the automatic axes as the
+    weights are (`weight_specs`; None: the state as it is)."""
+    if self.weight_specs is None:
+      return state
+    specs = {"embed_g": self.weight_specs["embed"], "head_g": self.weight_specs["head"],
+             "layers_g": jax.tree.map(lambda s: PartitionSpec(None, None, *s),  # [V, Lc, ...]
+                                      self.weight_specs["layers"])}
+    return {**state, **lax.with_sharding_constraint({k: state[k] for k in specs}, specs)}
 
   def first(self, op) -> jax.Array:
     return (self.index == 0) & (op["chunk"] == 0)
@@ -331,7 +342,8 @@ class Stage:
     return _branch("pipeline_W", op["op"] == W, run, _unchanged, state)
 
   def tick(self, state: dict, row: dict) -> tuple[dict, None]:
-    """One tick of the table: arrivals, this stage's op, the two sends."""
+    """One tick of the table: arrivals, this stage's op, the two sends; the
+    gradient sums come out `laid_out` (the loop then carries them so)."""
     sends = row.pop("sends")  # [act, grad]: whether any stage receives one next tick
     op = {name: column[self.index] for name, column in row.items()}
     state = {**state, "act": _arrive(state["act"], op["act_recv_slot"], state["act_in"])}
@@ -340,7 +352,7 @@ class Stage:
     if self.layer:
       state["grad"] = _arrive(state["grad"], op["grad_recv_slot"], state["grad_in"])
       state = self.backward_weight(op, self.backward_input(op, state))
-      state = self.send(sends[1], state, "send_grad", "grad_in", -1)
+      state = self.laid_out(self.send(sends[1], state, "send_grad", "grad_in", -1))
     return state, None
 
   def send(self, needed: jax.Array, state: dict, out: str, arrived: str, step: int) -> dict:
@@ -392,7 +404,8 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
 
 
 def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tuple[str, ...],
-         manual: tuple[str, ...], scale: float, embed_p, layers_VxLc, head_p, microbatches: dict):
+         manual: tuple[str, ...], scale: float, weight_specs: dict | None, embed_p, layers_VxLc,
+         head_p, microbatches: dict):
   """One device's share of the pipeline: (loss, grads, its layers' counts)
   summed over its stage (gradients None for a forward-only table)."""
   microbatches = _varying(microbatches, (AXIS,))  # every stage has them, typed like activations
@@ -405,7 +418,7 @@ def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tupl
                 None if layout.even_split else jnp.asarray(layout.counts_VxP()), head_p,
                 microbatches["inputs"], aux, **pieces, scale=scale,
                 zeros_x=_varying(jnp.zeros(x_struct.shape, x_struct.dtype), manual),
-                manual=manual)
+                manual=manual, weight_specs=weight_specs)
   if schedule.has_backward:  # the vjps are traced where they run, at one layer's shapes
     aux0, one_layer = _take(aux, 0), jax.tree.map(lambda x: x[0, 0], layers_VxLc)
     stage = dataclasses.replace(
@@ -453,7 +466,8 @@ def pipeline_loss_and_grads(
     batch_axes: Sequence[str] = (),
     length_axis: str | None = None,
     replica_axis: str | None = None,
-    layout: StageLayout | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
+    layout: StageLayout | None = None,
+    weight_specs: dict[str, Any] | None = None) -> tuple[jax.Array, dict[str, Any] | None]:
   """Mean loss over the M microbatches and its gradients, run by `schedule`.
 
   Args:
@@ -486,6 +500,11 @@ def pipeline_loss_and_grads(
       per replica ([R] and [R, ...]), never summed over it.
     layout: how many layers each chunk runs (`stages.StageLayout`); None:
       the even split of the `layers` leaves.
+    weight_specs: the weights' PartitionSpecs over the automatic axes, a
+      tree like `params` (a layer's without the stacked axis, no replica
+      dimension): the float32 gradient sums are split as they say through
+      the ticks. None: where XLA's propagation puts them (beside a manual
+      batch axis, whole over `fsdp`).
 
   Returns:
     (loss, grads, stats): float32, grads shaped like params. Embed and head
@@ -506,7 +525,8 @@ def pipeline_loss_and_grads(
   # Each device's loss is the mean over its equal share of a microbatch.
   scale = 1 / (schedule.num_microbatches * math.prod(mesh.shape[a] for a in split_axes))
   run = functools.partial(_run, schedule, layout, dict(embed_fn=embed_fn, layer_fn=layer_fn,
-                                                       loss_fn=loss_fn), split_axes, manual, scale)
+                                                       loss_fn=loss_fn), split_axes, manual, scale,
+                          weight_specs)
 
   def device(embed_p, layers_Vx1xLc, head_p, microbatches):
     if replica:  # this device's replica
