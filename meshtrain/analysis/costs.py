@@ -15,7 +15,8 @@
   reduce-scatters, DDP's bucketed all-reduce) hides behind the layer's
   compute: one layer's worth is always exposed (the first gather before
   anything runs, the last reduction after everything ran), and of the rest
-  only what exceeds each layer's compute.
+  what exceeds each layer's compute, or where it hides, what it slows the
+  compute beside it (`OVERLAP_SLOWDOWN`), whichever is more.
 - `lockstep_bubble`: the share of a meshtrain schedule table's cells where
   a stage idles: meshtrain's executor runs every stage in lock step, one op
   a tick, so this is the bubble it runs (zero-bubble schedules included).
@@ -95,14 +96,26 @@ def attention_scores_seconds(elements: float, recomputed: bool, memory_bandwidth
   return elements * passes / memory_bandwidth
 
 
+# Compute that runs beside a collective runs this much slower (NCCL's
+# kernels take SMs and memory bandwidth from it): 18.9% on average over GPT
+# and Llama layers on A100 and H100 (arXiv 2507.03114, "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning", 2025; 40% at most). A stated constant, not fitted.
+OVERLAP_SLOWDOWN = 0.189
+
+
 def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> float:
   """Of `traffic_s` issued evenly over `layers` layers that together compute
-  for `compute_s`, what shows: one layer's traffic, plus in every other
-  layer what its traffic takes beyond its compute."""
+  for `compute_s`, the seconds it adds to them: one layer's traffic, and in
+  every other layer what its traffic takes beyond its compute, or, where the
+  compute outlasts it, what the compute loses running beside it: t seconds
+  of traffic let the compute do t / (1 + s) seconds of its work, so the
+  layer ends t s / (1 + s) later (s = `OVERLAP_SLOWDOWN`)."""
   if traffic_s <= 0:
     return 0.0
   per_layer, per_compute = traffic_s / layers, compute_s / layers
-  return per_layer + (layers - 1) * max(0.0, per_layer - per_compute)
+  slowed = per_layer * OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN)
+  return per_layer + (layers - 1) * max(slowed, per_layer - per_compute)
 
 
 _table = functools.cache(schedules.build)

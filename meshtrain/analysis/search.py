@@ -657,16 +657,23 @@ def check_published(run, rank: bool = True, efficiency: float = calibration.KERN
   predicted TFLOP/s per device of its configuration as published (its
   recomputation, counted where the publication counts it), the rank of its
   mesh among everything that fits (with the meshes tied with it), and the
-  planner's own first choice with how much faster it predicts it. Without
-  `rank` no search runs (rank, first: None)."""
+  planner's own first choice with how much faster it predicts it than the
+  published mesh (`first_speedup`: the mesh as run, or the search's fastest
+  candidate on it where that is faster, so that both sides choose their
+  recomputation alike and the two meshes are compared) and than the run as
+  published (`first_speedup_as_run`). Without `rank` no search runs (rank,
+  first: None)."""
   cfg, cluster = run.config(), published.cluster(run.cluster)
   if rank:
     results, fitting, model = search(cfg, run.devices, cluster, top=10**9, efficiency=efficiency,
                                      elementwise=elementwise)
   else:
     results, fitting, model = [], None, StepModel(cfg, cluster, efficiency, elementwise)
+  sizes = {a: run.mesh.get(a, 1) for a in AXES}
   mine = as_published(model, run, results)
-  placed = rank_of(results, {a: run.mesh.get(a, 1) for a in AXES})
+  on_mesh = min([mine, *(e for e in results if e.candidate.sizes == sizes)],
+                key=lambda e: e.step_s)
+  placed = rank_of(results, sizes)
   figure = run.tflops or run.tokens_per_s * model.flops_per_token / 1e12
 
   def tflops(e):
@@ -674,9 +681,10 @@ def check_published(run, rank: bool = True, efficiency: float = calibration.KERN
   first = results[0] if results else None
   return {"run": run.name, "fitting": fitting, "rank": placed and placed[0],
           "tied": placed and placed[1], "published_tflops": figure,
-          "predicted_tflops": tflops(mine), "published": mine, "first": first,
-          "first_tflops": tflops(first) if first else None,
-          "first_speedup": mine.step_s / first.step_s if first else None}
+          "predicted_tflops": tflops(mine), "published": mine, "on_mesh": on_mesh,
+          "first": first, "first_tflops": tflops(first) if first else None,
+          "first_speedup": on_mesh.step_s / first.step_s if first else None,
+          "first_speedup_as_run": mine.step_s / first.step_s if first else None}
 
 
 def parse_mesh(text: str, devices: int) -> dict[str, int]:
