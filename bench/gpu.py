@@ -55,13 +55,12 @@ SETTINGS = {  # id -> (config changes, XLA_FLAGS)
     "remat-offload": ({"remat": "offload", "attention.implementation": "cudnn"}, FAST_XLA),
     # The preset with 8 experts of a quarter of its MLP width, top 2, dropless: its MLP
     # does half the dense FLOPs, so MFU (from active parameters) compares the two.
-    "moe-8x-top2": ({"remat": "selective", "attention.implementation": "cudnn",
-                     "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
-                     "model.moe.mlp_dim": 2048}, FAST_XLA),
-    "moe-8x-top2-ragged-dot": ({"remat": "selective", "attention.implementation": "cudnn",
-                                "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
-                                "model.moe.mlp_dim": 2048, "model.moe.grouped_gemm": "ragged_dot"},
-                               FAST_XLA),
+    # Its grouped GEMM: `auto` (Hopper's kernels on an H100 or H200), then each other.
+    **{f"moe-8x-top2{suffix}": ({"remat": "selective", "attention.implementation": "cudnn",
+                                 "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
+                                 "model.moe.mlp_dim": 2048, "model.moe.grouped_gemm": gemm},
+                                FAST_XLA)
+       for suffix, gemm in (("", "auto"), ("-tiled", "tiled"), ("-ragged-dot", "ragged_dot"))},
 }
 
 
@@ -81,18 +80,19 @@ def one_device_config(model: str, batch_size: int, seq_len: int, changes: dict):
   return cfg
 
 
-def predicted_step_s(row: dict, cluster: str = "h100") -> float | None:
-  """The planner's step time for a measured row's configuration (None where it
-  models no such setting: offload, XLA's attention, `ragged_dot` experts,
-  another device)."""
+def predicted_step_s(row: dict) -> float | None:
+  """The planner's step time for a measured row's configuration on its
+  device's cluster (None where it models no such setting: offload, XLA's
+  attention, `ragged_dot` experts, a device without a cluster)."""
   from meshtrain.analysis import clusters, search
   from meshtrain.mesh import AXES
 
   changes = SETTINGS[row["setting"]][0]
-  if (cluster.upper() not in row["device"] or row["attention"] != "cudnn"
+  cluster = next((name for name in clusters.PRESETS if name.upper() in row["device"]), None)
+  if (cluster is None or row["attention"] != "cudnn"
       or any(key.startswith("offload") for key in changes)
       or changes["remat"] not in search.REMATS
-      or changes.get("model.moe.grouped_gemm", "tiled") != "tiled"):
+      or changes.get("model.moe.grouped_gemm") == "ragged_dot"):
     return None
   cfg = one_device_config(row["model"], row["batch"], row["seq_len"], changes)
   model = search.StepModel(cfg, clusters.load(cluster))
@@ -138,6 +138,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   model_flops = flops_per_token(model_cfg, setup.spec.abstract_params, seq_len)
   return {"model": model, "batch": batch_size, "seq_len": seq_len, "steps": steps, **changes,
           "attention": attention_kernel(cfg),
+          "gemm": model_cfg.moe.grouped_gemm if model_cfg.moe.num_experts else None,
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
           "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": model_flops,
@@ -174,7 +175,7 @@ def measure(args, setting: str) -> dict:
 def table(rows: list[dict], planner: bool = True) -> str:
   """The rows as markdown; `planner` adds the planner's step time for each
   (it traces the model, so it needs the jax meshtrain pins)."""
-  lines = ["| setting | attention | tokens/s | TFLOP/s | MFU | step ms | planner ms | peak GiB | "
+  lines = ["| setting | attention, experts | tokens/s | TFLOP/s | MFU | step ms | planner ms | peak GiB | "
            "temp GiB | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
   for row in rows:
     if "error" in row:
@@ -183,7 +184,8 @@ def table(rows: list[dict], planner: bool = True) -> str:
       peak = f"{row['peak_gib']:.1f}" if row.get("peak_gib") else "—"
       predicted = predicted_step_s(row) if planner else None
       predicted = f"{predicted * 1e3:.0f}" if predicted else "—"
-      lines.append(f"| {row['setting']} | {row['attention']} | {row['tokens_per_s']:,.0f} | "
+      kernels = ", ".join(k for k in (row["attention"], row.get("gemm")) if k)
+      lines.append(f"| {row['setting']} | {kernels} | {row['tokens_per_s']:,.0f} | "
                    f"{row['tflops_per_s']:.0f} | {(row['mfu'] or 0):.1%} | "
                    f"{row['step_s'] * 1e3:.0f} | {predicted} | {peak} | "
                    f"{row['temp_gib'] or 0:.1f} | {row['compile_s']:.0f} |")
@@ -196,10 +198,14 @@ def render(rows: list[dict]) -> None:
   measured with, wherever this runs."""
   from report import write_section
 
+  from meshtrain.analysis import clusters
+
   first = next(row for row in rows if "error" not in row)
   settings = ",".join(row["setting"] for row in rows)
+  device = next((name for name in clusters.PRESETS if name.upper() in first["device"]),
+                re.sub(r"\W+", "_", first["device"].lower()))
   write_section(
-      f"gpu_{first['model']}", rows,
+      f"gpu_{first['model']}_{device}", rows,
       f"{first['model']}, batch {first['batch']} x {first['seq_len']} tokens, bfloat16\n\n"
       f"{table(rows)}",
       command=f"python bench/gpu.py --model {first['model']} --batch {first['batch']} "

@@ -4,19 +4,23 @@ same FLOPs, and what XLA compiled each into.
 
   python bench/moe_gemm.py                       # the 1B MoE setting of bench/gpu.py
   python bench/moe_gemm.py --tokens 512 --dim 64 --hidden 64 --steps 3   # a smoke run
+  python bench/moe_gemm.py --gemms tiled,hopper --hopper-blocks 128x128x64x4,64x128x64x4  # H100/H200
 
 Tokens are routed uniformly at random (k distinct experts each). A time is the
 mean of `--steps` calls after one warm-up, with one host sync at the end.
 "Useful TFLOP/s" counts the FLOPs of the rows each expert really has (6 GEMMs of
 2 x rows x dim x hidden), so a GEMM that computes every expert on every row,
 or pads, shows as a low rate. For each, the optimized program's op counts:
-dots, ragged dots and custom calls by target (cuBLAS, cuDNN). Prints a
+dots, ragged dots and custom calls by target (cuBLAS, cuDNN), and the largest
+difference of its loss and gradients from the first grouped GEMM's, relative
+to that one's largest value (bfloat16 rounding is about 4e-3). Prints a
 markdown table; with `--out DIR`, also the rows as JSON and each optimized
 program as text there.
 """
 
 import argparse
 import collections
+import functools
 import json
 import re
 import sys
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from meshtrain.parallel import experts  # noqa: E402
+from meshtrain.parallel import experts, hopper_gemm  # noqa: E402
 
 
 def swiglu_loss(gemm: str):
@@ -79,10 +83,32 @@ def run(gemm: str, tokens: int, dim: int, hidden: int, num_experts: int, k: int,
   useful = 9 * 2 * tokens * k * dim * hidden  # three GEMMs forward, six backward
   if hlo_dir:
     Path(hlo_dir, f"moe_gemm_{gemm}_{experts.MAX_TILE}.hlo.txt").write_text(compiled.as_text())
-  return {"gemm": gemm, "tokens": tokens, "dim": dim, "hidden": hidden, "experts": num_experts,
-          "k": k, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind,
-          "jax": jax.__version__, "ms": step_s * 1e3, "useful_tflops": useful / step_s / 1e12,
-          **compiled_ops(compiled)}
+  row = {"gemm": gemm, "tokens": tokens, "dim": dim, "hidden": hidden, "experts": num_experts,
+         "k": k, "dtype": jnp.dtype(dtype).name, "device": jax.devices()[0].device_kind,
+         "jax": jax.__version__, "ms": step_s * 1e3, "useful_tflops": useful / step_s / 1e12,
+         **compiled_ops(compiled)}
+  return row, jax.tree.leaves(out)
+
+
+def relative_difference(outputs, reference) -> float:
+  """The largest |a - b| over the outputs, relative to each reference's largest |b|."""
+  return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                   jnp.max(jnp.abs(b.astype(jnp.float32)))) for a, b in zip(outputs, reference))
+
+
+def variants(gemm: str, args):
+  """(label, setup) of each variant of `gemm` the flags ask for: tile rows for
+  `tiled`, tile shapes M x N x K x stages for `hopper`."""
+  if gemm == "tiled":
+    return [(tile, lambda tile=tile: setattr(experts, "MAX_TILE", int(tile)))
+            for tile in args.tiles.split(",")]
+  if gemm == "hopper":
+    def shape(blocks):
+      m, n, k, stages = map(int, blocks.split("x"))
+      hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_N, hopper_gemm.BLOCK_K, hopper_gemm.STAGES = (
+          m, n, k, stages)
+    return [(blocks, functools.partial(shape, blocks)) for blocks in args.hopper_blocks.split(",")]
+  return [("—", lambda: None)]
 
 
 def main():
@@ -97,24 +123,42 @@ def main():
   parser.add_argument("--gemms", default=",".join(("dense", *experts.GEMMS)))
   parser.add_argument("--tiles", default=str(experts.MAX_TILE),
                       help="comma-separated largest tiles (rows) to try for `tiled`")
+  parser.add_argument("--hopper-blocks", default="x".join(map(str, (
+      hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_N, hopper_gemm.BLOCK_K, hopper_gemm.STAGES))),
+      help="comma-separated tile shapes MxNxKxSTAGES to try for `hopper`")
   parser.add_argument("--out", help="a folder for moe_gemm.json and the optimized programs")
   args = parser.parse_args()
-  rows = []
+  rows, reference = [], None
   for gemm in args.gemms.split(","):
-    for tile in args.tiles.split(",") if gemm == "tiled" else [experts.MAX_TILE]:
-      experts.MAX_TILE = int(tile)
-      rows.append(run(gemm, args.tokens, args.dim, args.hidden, args.experts, args.k, args.steps,
-                      jnp.dtype(args.dtype), args.out))
-      rows[-1]["tile"] = experts.tile_rows(args.tokens * args.k, args.experts)
-  print(f"{rows[0]['device']}, jax {rows[0]['jax']}: {args.tokens} tokens x {args.dim}, "
+    for label, setup in variants(gemm, args):
+      setup()
+      try:
+        row, outputs = run(gemm, args.tokens, args.dim, args.hidden, args.experts, args.k,
+                           args.steps, jnp.dtype(args.dtype), args.out)
+      except Exception as error:  # a tile shape over the shared memory, say: a row saying so
+        rows.append({"gemm": gemm, "variant": label, "error": f"{type(error).__name__}: "
+                     f"{(str(error).strip().splitlines() or [''])[0][:200]}"})
+        print(rows[-1], flush=True)
+        continue
+      if gemm != "dense":  # a dense SwiGLU has other weights: nothing to compare
+        reference = reference or outputs
+      row.update(variant=str(experts.tile_rows(args.tokens * args.k, args.experts))
+                 if gemm == "tiled" else label,
+                 difference=None if gemm == "dense" else relative_difference(outputs, reference))
+      rows.append(row)
+      print(row, flush=True)
+  done = [row for row in rows if "error" not in row]
+  print(f"{done[0]['device']}, jax {done[0]['jax']}: {args.tokens} tokens x {args.dim}, "
         f"{args.experts} experts of hidden {args.hidden}, top-{args.k}, {args.dtype}")
-  print("| GEMM | tile rows | ms fwd+bwd | useful TFLOP/s | dots | ragged dots | custom calls |\n"
-        "|---|---|---|---|---|---|---|")
+  print("| GEMM | tile | ms fwd+bwd | useful TFLOP/s | difference | dots | ragged dots | "
+        "custom calls |\n|---|---|---|---|---|---|---|---|")
   for row in rows:
+    if "error" in row:
+      print(f"| {row['gemm']} | {row['variant']} | failed: {row['error']} |")
+      continue
     calls = ", ".join(f"{t} {n}" for t, n in sorted(row["custom_calls"].items())) or "none"
-    tile = row["tile"] if row["gemm"] == "tiled" else "—"
-    print(f"| {row['gemm']} | {tile} | {row['ms']:.2f} | {row['useful_tflops']:.2f} | {row['dots']} | "
-          f"{row['ragged_dots']} | {calls} |")
+    print(f"| {row['gemm']} | {row['variant']} | {row['ms']:.2f} | {row['useful_tflops']:.2f} | "
+          f"{'—' if row['difference'] is None else format(row['difference'], '.1e')} | {row['dots']} | {row['ragged_dots']} | {calls} |")
   if args.out:
     Path(args.out, "moe_gemm.json").write_text(json.dumps(rows, indent=2) + "\n")
 

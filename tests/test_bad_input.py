@@ -92,6 +92,8 @@ CASES = [
      "config.model.moe.router"),
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.grouped_gemm=cutlass"],
      "config.model.moe.grouped_gemm"),
+    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.grouped_gemm=hopper"],
+     "config.model.moe.grouped_gemm"),  # no Hopper GPU here
     ("train", ["--config.model.moe.num_experts=4", "--config.expert_parallel=tensor"],
      "config.expert_parallel"),
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.first_dense_layers=2"],

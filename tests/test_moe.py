@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import types
 
 import chex
 import jax
@@ -27,7 +28,7 @@ from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.mesh import make_mesh
 from meshtrain.models.layers import MLP
 from meshtrain.models.moe import MoE, MoEConfig, update_bias
-from meshtrain.parallel import experts
+from meshtrain.parallel import experts, hopper_gemm
 from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
@@ -35,6 +36,28 @@ from meshtrain.workdir import load_model_state
 
 D, F = 16, 24
 STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def hopper_kernels_as_xla_ragged_dots(monkeypatch):
+  """`grouped_gemm=hopper` on the CPU: its Mosaic GPU kernels replaced by XLA's
+  ragged dots in the kernels' output dtype, with the rows the kernels leave
+  unwritten set to NaN. So its custom gradient, its masking and the layout
+  around it are what the tests here check; bench/moe_gemm.py checks the
+  kernels themselves against `tiled` on a GPU."""
+  def product(lhs_NxK, rhs, groups_G, transpose_rhs):
+    rhs_GxKxF = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    y_NxF = jax.lax.ragged_dot(lhs_NxK, rhs_GxKxF, groups_G)
+    return jnp.where((jnp.arange(y_NxF.shape[0]) < jnp.sum(groups_G))[:, None], y_NxF, jnp.nan)
+
+  def group_gram(x_NxK, dy_NxF, groups_G):
+    return jax.lax.ragged_dot_general(
+        x_NxK, dy_NxF, groups_G, jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[]))
+
+  monkeypatch.setattr(hopper_gemm, "_product", product)
+  monkeypatch.setattr(hopper_gemm, "_group_gram", group_gram)
 
 
 def plain_moe(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, cfg: MoEConfig,
@@ -162,6 +185,20 @@ def test_one_expert_top_one_is_the_dense_mlp():
   dense.w_down_FxD[...] = moe.w_down_ExFxD[0]
   x, _ = inputs()
   np.testing.assert_allclose(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_gemm_is_hopper_only_where_its_kernels_run():
+  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+  ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
+  aligned = {"embed": 2048, "hidden": 768}
+  assert experts.gemm_for("auto", "bfloat16", aligned, hopper) == "hopper"
+  assert experts.gemm_for("auto", "float16", aligned, hopper) == "hopper"
+  assert experts.gemm_for("auto", "float32", aligned, hopper) == "tiled"
+  assert experts.gemm_for("auto", "bfloat16", {"embed": 2048, "hidden": 96}, hopper) == "tiled"
+  assert experts.gemm_for("auto", "bfloat16", aligned, ampere) == "tiled"
+  assert experts.gemm_for("auto", "bfloat16", aligned, jax.devices()[0]) == "tiled"
+  assert experts.gemm_for("ragged_dot", "bfloat16", aligned, hopper) == "ragged_dot"
+  assert "hidden is 96" in hopper_gemm.unsupported(hopper, "bfloat16", {"hidden": 96})
 
 
 @pytest.mark.parametrize("gemm", experts.GEMMS)

@@ -33,10 +33,20 @@ Batch = dict[str, jax.Array]
 
 
 def model_config(cfg) -> LlamaConfig:
-  """The model's own settings (its shape, precision and recomputation)."""
+  """The model's own settings (its shape, precision and recomputation), the
+  experts' grouped GEMM resolved on this machine's first device."""
   model = cfg.model.to_dict()
-  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**model["moe"])},
+  gemm = experts.gemm_for(model["moe"]["grouped_gemm"], cfg.compute_dtype, expert_widths(cfg),
+                          jax.devices()[0])
+  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**{**model["moe"], "grouped_gemm": gemm})},
                      compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+
+
+def expert_widths(cfg) -> dict[str, int]:
+  """The widths an expert's matmuls contract or write on one device."""
+  hidden = cfg.model.moe.mlp_dim or cfg.model.mlp_dim
+  return {"config.model.embed_dim": cfg.model.embed_dim,
+          "an expert's hidden width on one tensor device": hidden // max(cfg.mesh.tensor, 1)}
 
 
 def expert_axes(cfg) -> tuple[str, ...]:

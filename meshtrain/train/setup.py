@@ -11,7 +11,7 @@ from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
 from meshtrain.models import moe as moe_lib
-from meshtrain.parallel import experts, sequence
+from meshtrain.parallel import experts, hopper_gemm, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train import local_sgd, parallelize, precision
@@ -131,7 +131,7 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   """The Mixture-of-Experts settings against the model and the mesh."""
   moe, key = cfg.model.moe, "config.model.moe"
   _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
-  _check_choice(f"{key}.grouped_gemm", moe.grouped_gemm, experts.GEMMS)
+  _check_choice(f"{key}.grouped_gemm", moe.grouped_gemm, experts.CHOICES)
   if not 1 <= moe.experts_per_token <= moe.num_experts:
     raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
                       f"and model.moe.num_experts = {moe.num_experts}")
@@ -153,6 +153,10 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   if hidden % mesh.shape["tensor"]:
     raise ConfigError(f"{key}.mlp_dim", f"each expert's hidden width {hidden} is not divisible "
                       f"by config.mesh.tensor = {mesh.shape['tensor']}")
+  why = moe.grouped_gemm == "hopper" and hopper_gemm.unsupported(
+      jax.devices()[0], cfg.compute_dtype, parallelize.expert_widths(cfg))
+  if why:
+    raise ConfigError(f"{key}.grouped_gemm", f"hopper: {why}; use auto or tiled")
   if mesh.shape["pipeline"] > 1 and split > 1:
     # The pipeline's shard_map holds the layers whole over `data`; a nested
     # one over other axes fails Shardy's check of the gradient.
