@@ -85,6 +85,42 @@ def test_equals_causal_attention_and_keeps_other_axes(strategy, sizes, spec, hea
   assert {c.kind for c in collectives} == COLLECTIVES[strategy], collectives
 
 
+def test_ulysses_runs_the_flash_kernel_on_each_devices_heads_over_the_whole_length(monkeypatch):
+  """With `implementation="cudnn"` Ulysses hands each device's heads of the
+  whole length to cuDNN's flash attention (`jax.nn.dot_product_attention`,
+  causal): here that call is recorded and run by XLA (the CPU has no cuDNN),
+  and the result equals plain causal attention. all_gather_kv's local queries
+  and the ring's blocks stay on XLA's masked attention."""
+  mesh = mesh_of(data=2, sequence=4)
+  q, k, v, cotangent = qkv(heads=8, kv_heads=2)
+  plain = jax.nn.dot_product_attention
+  expected_out, expected_grads = output_and_grads(
+      functools.partial(plain, is_causal=True), q, k, v, cotangent)
+  calls = []
+
+  def flash(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, *, is_causal, local_window_size, implementation):
+    calls.append((q_BxLxNxH.shape, k_BxLxKxH.shape, is_causal, implementation))
+    return plain(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=is_causal,
+                 local_window_size=local_window_size, implementation="xla")
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", flash)
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  for strategy in STRATEGIES:
+    calls.clear()
+    attend = functools.partial(sequence_attention, strategy=strategy, mesh=mesh,
+                               implementation="cudnn")
+    with jax.set_mesh(mesh):
+      out, grads = jax.jit(functools.partial(output_and_grads, attend))(
+          *jax.device_put((q, k, v, cotangent), sharding))
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    for grad, expected in zip(grads, expected_grads):
+      np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
+    if strategy == "ulysses":  # one row, 32 tokens, 2 of 8 query heads with their kv head
+      assert set(calls) == {((1, 32, 2, 8), (1, 32, 1, 8), True, "cudnn")}, calls
+    else:
+      assert not calls, (strategy, calls)
+
+
 def test_one_device_axis_is_plain_attention():
   mesh = mesh_of(data=8)
   q, k, v, _ = qkv()

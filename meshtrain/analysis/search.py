@@ -53,7 +53,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.models import flops
-from meshtrain.parallel import experts
+from meshtrain.parallel import experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.errors import ConfigError
@@ -86,6 +86,7 @@ class Candidate:
   stage_layers: str = ""             # with a pipeline: layers per chunk ("": the even split)
   tensor_sequence_parallel: bool = False
   expert_parallel: str | None = None  # MoE: config.expert_parallel (None: the config's)
+  sequence_strategy: str | None = None  # with `sequence`: config.attention.sequence_strategy
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -100,6 +101,8 @@ class Candidate:
     cfg.pipeline.stage_layers = self.stage_layers
     if self.expert_parallel is not None:
       cfg.expert_parallel = self.expert_parallel
+    if self.sequence_strategy is not None:
+      cfg.attention.sequence_strategy = self.sequence_strategy
     if self.sizes["pipeline"] > 1:
       cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
                           schedule=self.schedule)
@@ -113,6 +116,8 @@ class Candidate:
               f"--config.tensor_sequence_parallel={self.tensor_sequence_parallel}"]
     if self.expert_parallel is not None:
       parts.append(f"--config.expert_parallel={shlex.quote(self.expert_parallel)}")
+    if self.sequence_strategy is not None:
+      parts.append(f"--config.attention.sequence_strategy={self.sequence_strategy}")
     if self.sizes["pipeline"] > 1:
       parts += [f"--config.pipeline.schedule={self.schedule}",
                 f"--config.pipeline.microbatches={self.microbatches}",
@@ -150,14 +155,17 @@ class _ActivationModel:
     self.cfg, self.flash = cfg, flash
 
   @functools.cache
-  def _traced(self, remat: str, tensor: bool, sequence: bool, split_kv: bool):
+  def _traced(self, remat: str, tensor: bool, sequence: str | None, split_kv: bool):
     """(bytes, splitting axes, per sequence?, stacked over layers?) of each
-    residual of a TRACED_LAYERS-layer model on TRACED_ROWS sequences, on a mesh of 2s."""
+    residual of a TRACED_LAYERS-layer model on TRACED_ROWS sequences, on a mesh
+    of 2s (with `sequence`, that context-parallel strategy's)."""
     sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if sequence else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
     model_cfg = plan_lib.traced_model(self.cfg, TRACED_LAYERS, remat)
-    spec = llama_spec(model_cfg, slots(self.cfg, mesh, implementation="xla"))
+    cfg = ml_collections.ConfigDict(self.cfg.to_dict())
+    cfg.attention.sequence_strategy = sequence or cfg.attention.sequence_strategy
+    spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
     batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
     saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
@@ -170,15 +178,18 @@ class _ActivationModel:
       out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked, scores))
     return out
 
-  def bytes(self, sizes: dict, remat: str, rows: float, layers: int) -> tuple[float, float]:
+  def bytes(self, sizes: dict, remat: str, rows: float, layers: int,
+            strategy: str | None = None) -> tuple[float, float]:
     """Residuals of `layers` layers, and of embedding, head and loss, on
-    `rows` sequences per device (sequence parallelism whenever `tensor` splits)."""
+    `rows` sequences per device (sequence parallelism whenever `tensor`
+    splits; under `sequence`, context-parallel `strategy`, default the config's)."""
     t, s = sizes["tensor"], sizes["sequence"]
     replicas = sizes["data"] * sizes["fsdp"]
     totals = [0.0, 0.0]
+    strategy = (strategy or self.cfg.attention.sequence_strategy) if s > 1 else None
     for nbytes, axes, per_row, stacked, scores in self._traced(
-        remat, t > 1, s > 1, self.cfg.model.num_kv_heads % t == 0):
-      if scores and self.flash:  # flash attention keeps no scores (without `sequence`)
+        remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0):
+      if scores and self.flash:  # whole-length scores: a flash kernel keeps none
         continue
       nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
           layers / TRACED_LAYERS if stacked else 1)
@@ -297,14 +308,14 @@ class StepModel:
   def score_elements(self, c: Candidate, cfg, rows: float) -> float:
     """Attention scores one layer of one microbatch of `rows` sequences a
     device writes through memory: XLA's masked attention (`parallel.attention`)
-    runs under `sequence` > 1 (every strategy: all_gather_kv's local queries
-    against every key, ulysses' local heads over the whole length, the
-    ring's blocks, (n + 1) / 2n of those) and where the cluster has no flash
-    kernel; cuDNN's flash attention, on one device's whole length, keeps its
-    scores on chip (0)."""
+    runs under `sequence` > 1 for all_gather_kv's local queries against every
+    key and the ring's blocks ((n + 1) / 2n of those), and everywhere the
+    cluster has no flash kernel; cuDNN's flash attention, over a whole length
+    (one device's, or ulysses' local heads), keeps its scores on chip (0)."""
     sizes, m = c.sizes, cfg.model
     n = sizes["sequence"]
-    if n == 1 and self.cluster.flash_attention:
+    whole_length = n == 1 or cfg.attention.sequence_strategy == "ulysses"
+    if whole_length and self.cluster.flash_attention:
       return 0.0
     ring = (n + 1) / (2 * n) if n > 1 and cfg.attention.sequence_strategy == "ring" else 1.0
     return rows * m.num_heads / sizes["tensor"] * cfg.seq_len / n * cfg.seq_len * ring
@@ -344,8 +355,10 @@ class StepModel:
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
       inputs = (input_slots * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
-    saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers)
-    backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1)[0]
+    saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
+                                         c.sequence_strategy)
+    backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
+                                          c.sequence_strategy)[0]
     return int(inputs + residual_slots * saved + head_slots * head), int(backward)
 
   def buffer_bytes(self, cfg, c: Candidate) -> int:
@@ -543,7 +556,6 @@ def candidates(model: StepModel, devices: int, only: dict | None = None):
 
   cfg, cluster = model.cfg, model.cluster
   m = cfg.model
-  ring = cfg.attention.sequence_strategy == "ring"  # does not compose with pipeline
   # The layers a pipeline splits (a MoE model's leading dense ones run before them).
   staged = m.num_layers - model.dense_layers
   for tensor in _divisors(math.gcd(devices, cluster.devices_per_host)):
@@ -555,9 +567,11 @@ def candidates(model: StepModel, devices: int, only: dict | None = None):
         continue
       rest = devices // tensor // sequence
       for pipeline in _divisors(rest):
-        if staged < pipeline or (pipeline > 1 and sequence > 1 and ring) or skip("pipeline",
-                                                                                 pipeline):
+        if staged < pipeline or skip("pipeline", pipeline):
           continue
+        # Each context-parallel strategy (the ring does not compose with a pipeline).
+        strategies = [None] if sequence == 1 else [
+            s for s in sequence_lib.STRATEGIES if not (s == "ring" and pipeline > 1)]
         for fsdp in _divisors(rest // pipeline):
           data = rest // pipeline // fsdp
           replicas = data * fsdp
@@ -568,9 +582,9 @@ def candidates(model: StepModel, devices: int, only: dict | None = None):
                   ("sequence", sequence), ("tensor", tensor))
           zero = int(data > 1 and m.embed_dim % (fsdp * data) == 0)
           rows = cfg.global_batch // replicas
-          for layout in expert_layouts(cfg, dict(mesh)):
+          for layout, strategy in itertools.product(expert_layouts(cfg, dict(mesh)), strategies):
             base = dict(mesh=mesh, zero_stage=zero, tensor_sequence_parallel=tensor > 1,
-                        expert_parallel=layout)
+                        expert_parallel=layout, sequence_strategy=strategy)
             if pipeline == 1:
               for accum in (a for a in (1, 2, 4, 8) if rows % a == 0):
                 yield Candidate(**base, grad_accum_steps=accum)

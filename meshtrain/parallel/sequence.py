@@ -70,13 +70,16 @@ def _split(mesh: Mesh, axis: str, batch_size: int) -> tuple[set[str], tuple[str,
 def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
                        strategy: str, mesh: Mesh | None = None, axis: str = "sequence",
                        zigzag: bool = False, segment_ids_BxL: jax.Array | None = None,
-                       window: int = 0) -> jax.Array:
+                       window: int = 0, implementation: str = "xla") -> jax.Array:
   """Causal grouped-query attention over a length sharded on `axis`; equal to
   `attention.causal_attention(q, k, v, segment_ids_BxL=..., window=...)` on
   the whole sequence (a sliding `window` under all_gather_kv and ulysses, not
   the ring). With `zigzag` (ring only) q, k, v, the segment ids and the output
   are in `to_zigzag` order. `mesh` defaults to the one in context
-  (`jax.set_mesh`)."""
+  (`jax.set_mesh`). `implementation` is the kernel of attention over a whole
+  length (`attention.causal_attention`): of one device, and of ulysses' local
+  heads (cuDNN's flash attention keeps their scores on chip); all_gather_kv's
+  local queries and the ring's blocks run XLA's masked attention."""
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown sequence attention strategy {strategy!r}; "
                      f"choose one of {', '.join(STRATEGIES)}")
@@ -92,10 +95,12 @@ def sequence_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: ja
   n = 1 if mesh.empty else mesh.shape.get(axis, 1)
   if n == 1:  # zigzag order on one device is the natural one
     return attention.causal_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                      implementation=implementation,
                                       segment_ids_BxL=segment_ids_BxL, window=window)
   check_split(strategy, num_heads, length * n if _is_manual(mesh, axis) else length, n, axis)
   strategy_fn = {"all_gather_kv": functools.partial(_all_gather_kv, window=window),
-                 "ulysses": functools.partial(_ulysses, window=window),
+                 "ulysses": functools.partial(_ulysses, window=window,
+                                              implementation=implementation),
                  "ring": functools.partial(_ring, zigzag=zigzag)}[strategy]
   return strategy_fn(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, mesh=mesh, axis=axis)
 
@@ -151,7 +156,7 @@ def _all_gather_kv(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Me
 
 
 def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, axis: str,
-             window: int):
+             window: int, implementation: str):
   """Heads enter the shard_map sharded over `axis`: the partitioner swaps length
   for head sharding (an all-to-all) on the way in, and back on the way out.
 
@@ -172,10 +177,10 @@ def _ulysses(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, *, mesh: Mesh, ax
       b, length, kv_heads // n, n, h) for x_BxLxKxH in (k_BxLxKxH, v_BxLxKxH)]
 
   def attend(q_BxLxAx1xGxH, k_BxLxAx1xH, v_BxLxAx1xH, *segments):
-    index_L = jnp.arange(q_BxLxAx1xGxH.shape[1])
-    out_BxLxNxH = attention.masked_attention(
+    out_BxLxNxH = attention.causal_attention(
         q_BxLxAx1xGxH.reshape(*q_BxLxAx1xGxH.shape[:2], -1, h), k_BxLxAx1xH[:, :, :, 0],
-        v_BxLxAx1xH[:, :, :, 0], attention.causal_mask(index_L, index_L, *segments, window=window))
+        v_BxLxAx1xH[:, :, :, 0], implementation=implementation,
+        segment_ids_BxL=segments[0] if segments else None, window=window)
     return out_BxLxNxH.reshape(q_BxLxAx1xGxH.shape)
 
   if _is_manual(mesh, axis):  # local length in, local heads of the whole length inside

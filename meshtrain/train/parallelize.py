@@ -64,13 +64,13 @@ def attention_kernel(cfg) -> str:
 def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   """The model's slots for `cfg` on `mesh` (`implementation` overrides the
   local attention kernel, as a plan traced on a CPU does)."""
+  implementation = implementation or attention_kernel(cfg)
   if mesh.shape["sequence"] > 1:
     strategy = cfg.attention.sequence_strategy
     attend = functools.partial(sequence.sequence_attention, strategy=strategy,
-                               zigzag=strategy == "ring")
+                               zigzag=strategy == "ring", implementation=implementation)
   else:
-    attend = functools.partial(attention.causal_attention,
-                               implementation=implementation or attention_kernel(cfg))
+    attend = functools.partial(attention.causal_attention, implementation=implementation)
   slot = {"attention": attend}
   if cfg.model.moe.num_experts:
     slot["experts"] = functools.partial(
