@@ -183,8 +183,8 @@ def _tiled_swiglu(x_NxD: jax.Array, key_N: jax.Array, groups_G: jax.Array, w_gat
                                 axis=1), g - 1)
   x_TxMxD = jnp.zeros((tiles * m, d), x_NxD.dtype).at[slot_N].set(x_NxD, mode="drop").reshape(
       tiles, m, d)
-  y_TxMxD = _swiglu(x_TxMxD, lambda x, w: _tile_matmul(*_varying_alike(x, w), group_T), w_gate_GxDxF,
-                    w_up_GxDxF, w_down_GxFxD)
+  y_TxMxD = _swiglu(x_TxMxD, lambda x, w: _tile_matmul(*_varying_alike(x, w), group_T),
+                    w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
   return y_TxMxD.reshape(tiles * m, d).at[slot_N].get(mode="fill", fill_value=0)
 
 

@@ -12,7 +12,7 @@ zero. Its gradient is the exact one of that product: the rows' by the same
 kernel against the transposed matrices (rows past the groups zero), the
 matrices' by the transposed kernel over each group's rows alone.
 
-The kernels need K and F to be multiples of 64 (`BLOCK_K`, `BLOCK_N`); the
+The kernels need K and F to be multiples of `ALIGN` (64); the
 tile shapes are the fastest of bench/moe_gemm.py's sweep on an H200.
 """
 
@@ -46,6 +46,7 @@ def _snake(columns: int, block: int) -> int:
 
 
 def _block(size: int, preferred: int) -> int:
+  """The preferred tile side where it divides `size`, else `ALIGN`."""
   return preferred if size % preferred == 0 else ALIGN
 
 
