@@ -80,6 +80,13 @@ def one_device_config(model: str, batch_size: int, seq_len: int, changes: dict):
   return cfg
 
 
+def cluster_preset(device_kind: str) -> str | None:
+  """The planner's cluster preset of a device (`h100` for "NVIDIA H100 80GB HBM3"), if any."""
+  from meshtrain.analysis import clusters
+
+  return next((name for name in clusters.PRESETS if name.upper() in device_kind), None)
+
+
 def predicted_step_s(row: dict) -> float | None:
   """The planner's step time for a measured row's configuration on its
   device's cluster (None where it models no such setting: offload, XLA's
@@ -88,7 +95,7 @@ def predicted_step_s(row: dict) -> float | None:
   from meshtrain.mesh import AXES
 
   changes = SETTINGS[row["setting"]][0]
-  cluster = next((name for name in clusters.PRESETS if name.upper() in row["device"]), None)
+  cluster = cluster_preset(row["device"])
   if (cluster is None or row["attention"] != "cudnn"
       or any(key.startswith("offload") for key in changes)
       or changes["remat"] not in search.REMATS
@@ -198,12 +205,9 @@ def render(rows: list[dict]) -> None:
   measured with, wherever this runs."""
   from report import write_section
 
-  from meshtrain.analysis import clusters
-
   first = next(row for row in rows if "error" not in row)
   settings = ",".join(row["setting"] for row in rows)
-  device = next((name for name in clusters.PRESETS if name.upper() in first["device"]),
-                re.sub(r"\W+", "_", first["device"].lower()))
+  device = cluster_preset(first["device"]) or re.sub(r"\W+", "_", first["device"].lower())
   write_section(
       f"gpu_{first['model']}_{device}", rows,
       f"{first['model']}, batch {first['batch']} x {first['seq_len']} tokens, bfloat16\n\n"

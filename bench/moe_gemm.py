@@ -157,8 +157,9 @@ def main():
       print(f"| {row['gemm']} | {row['variant']} | failed: {row['error']} |")
       continue
     calls = ", ".join(f"{t} {n}" for t, n in sorted(row["custom_calls"].items())) or "none"
+    difference = "—" if row["difference"] is None else f"{row['difference']:.1e}"
     print(f"| {row['gemm']} | {row['variant']} | {row['ms']:.2f} | {row['useful_tflops']:.2f} | "
-          f"{'—' if row['difference'] is None else format(row['difference'], '.1e')} | {row['dots']} | {row['ragged_dots']} | {calls} |")
+          f"{difference} | {row['dots']} | {row['ragged_dots']} | {calls} |")
   if args.out:
     Path(args.out, "moe_gemm.json").write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -155,16 +155,16 @@ class _ActivationModel:
     self.cfg, self.flash = cfg, flash
 
   @functools.cache
-  def _traced(self, remat: str, tensor: bool, sequence: str | None, split_kv: bool):
+  def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool):
     """(bytes, splitting axes, per sequence?, stacked over layers?) of each
     residual of a TRACED_LAYERS-layer model on TRACED_ROWS sequences, on a mesh
-    of 2s (with `sequence`, that context-parallel strategy's)."""
-    sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if sequence else 1}
+    of 2s (`sequence` 2 with context-parallel `strategy`, 1 without one)."""
+    sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if strategy else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
     model_cfg = plan_lib.traced_model(self.cfg, TRACED_LAYERS, remat)
     cfg = ml_collections.ConfigDict(self.cfg.to_dict())
-    cfg.attention.sequence_strategy = sequence or cfg.attention.sequence_strategy
+    cfg.attention.sequence_strategy = strategy or cfg.attention.sequence_strategy
     spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
     batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
              for k in ("inputs", "targets")}
