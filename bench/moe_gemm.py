@@ -11,7 +11,9 @@ mean of `--steps` calls after one warm-up, with one host sync at the end.
 "Useful TFLOP/s" counts the FLOPs of the rows each expert really has (6 GEMMs of
 2 x rows x dim x hidden), so a GEMM that computes every expert on every row,
 or pads, shows as a low rate. For each, the optimized program's op counts:
-dots, ragged dots and custom calls by target (cuBLAS, cuDNN), and the largest
+dots, ragged dots, scatters of floating-point values (a GPU scatter-adds
+atomically; the routing's own are of integers) and custom calls by target
+(cuBLAS, cuDNN), and the largest
 difference of its loss and gradients from the first grouped GEMM's, relative
 to that one's largest value (bfloat16 rounding is about 4e-3). Prints a
 markdown table; with `--out DIR`, also the rows as JSON and each optimized
@@ -49,10 +51,12 @@ def swiglu_loss(gemm: str):
 
 
 def compiled_ops(compiled) -> dict:
-  """Op counts of the optimized program: dots, ragged dots, custom calls by target."""
+  """Op counts of the optimized program: dots, ragged dots, floating-point
+  scatters, custom calls by target."""
   text = compiled.as_text()
   return {"dots": len(re.findall(r" dot\(", text)),
           "ragged_dots": len(re.findall(r" ragged-dot\(", text)),
+          "float_scatters": len(re.findall(r"= b?f\d+\[[^ ]* scatter\(", text)),
           "custom_calls": dict(collections.Counter(
               re.findall(r'custom_call_target="([^"]+)"', text)))}
 
@@ -151,7 +155,7 @@ def main():
   print(f"{done[0]['device']}, jax {done[0]['jax']}: {args.tokens} tokens x {args.dim}, "
         f"{args.experts} experts of hidden {args.hidden}, top-{args.k}, {args.dtype}")
   print("| GEMM | tile | ms fwd+bwd | useful TFLOP/s | difference | dots | ragged dots | "
-        "custom calls |\n|---|---|---|---|---|---|---|---|")
+        "float scatters | custom calls |\n|---|---|---|---|---|---|---|---|---|")
   for row in rows:
     if "error" in row:
       print(f"| {row['gemm']} | {row['variant']} | failed: {row['error']} |")
@@ -159,7 +163,8 @@ def main():
     calls = ", ".join(f"{t} {n}" for t, n in sorted(row["custom_calls"].items())) or "none"
     difference = "—" if row["difference"] is None else f"{row['difference']:.1e}"
     print(f"| {row['gemm']} | {row['variant']} | {row['ms']:.2f} | {row['useful_tflops']:.2f} | "
-          f"{difference} | {row['dots']} | {row['ragged_dots']} | {calls} |")
+          f"{difference} | {row['dots']} | {row['ragged_dots']} | "
+          f"{row['float_scatters']} | {calls} |")
   if args.out:
     Path(args.out, "moe_gemm.json").write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -26,6 +26,10 @@ The grouped GEMM (`model.moe.grouped_gemm`):
                     beside one of [n, E_local] counts), and every device runs
                     its own experts on what arrived.
 
+Rows reach the grouped GEMM (sorted by expert, in tiles, in the buckets
+of the all-to-all) and come back by gathers whose gradients are gathers too
+(`take_rows`): no activation is scattered, forward or backward.
+
 Contract of both: `(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF,
 w_up_ExDxF, w_down_ExFxD) -> y_BxLxD` with y[b, l] = sum_k weight[b, l, k] x
 SwiGLU_{expert[b, l, k]}(x[b, l]); an assignment with expert -1 (dropped by
@@ -143,6 +147,43 @@ def _varying_alike(*operands: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(map(cast, operands))
 
 
+@jax.custom_vjp
+def _take_rows(x_NxD: jax.Array, source_M: jax.Array, sinks_NxK: jax.Array) -> jax.Array:
+  """Row m of the result is x[source_M[m]] (zero where source_M[m] is out of
+  range). `sinks_NxK` names, for each row n of x, the rows of the result that
+  took it (out of range: none), so that the gradient is a gather as well,
+  dx[n] = sum_k dy[sinks[n, k]], where jax would scatter-add. Each row is
+  taken at most K times, so it is the caller's contract that source[sinks[n,
+  k]] == n for every sink in range and that every m with source_M[m] in range
+  is among its sinks."""
+  return x_NxD.at[source_M].get(mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x_NxD, source_M, sinks_NxK):
+  return _take_rows(x_NxD, source_M, sinks_NxK), sinks_NxK
+
+
+def _take_rows_bwd(sinks_NxK, dy_MxD):
+  dx_NxKxD = dy_MxD.at[sinks_NxK].get(mode="fill", fill_value=0)
+  return dx_NxKxD.sum(axis=1, dtype=jnp.float32).astype(dy_MxD.dtype), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def take_rows(x_NxD: jax.Array, source_M: jax.Array, sinks_NxK: jax.Array) -> jax.Array:
+  """`_take_rows` with its operands typed alike over the manual mesh axes."""
+  return _take_rows(*_varying_alike(x_NxD, source_M, sinks_NxK))
+
+
+def _sources(sink_A: jax.Array, size: int) -> jax.Array:
+  """The inverse of an injective `sink_A` (entries past `size`: none): for each
+  of `size` rows, the a whose sink it is, else len(sink_A)."""
+  count = sink_A.shape[0]
+  return jnp.full((size,), count, sink_A.dtype).at[sink_A].set(
+      jnp.arange(count, dtype=sink_A.dtype), mode="drop")
+
+
 def tile_rows(rows: int, groups: int) -> int:
   """Rows of a tile: the power of two at or below a quarter of a group's mean
   share, at most `MAX_TILE`. Padding costs at most one tile a group (a quarter
@@ -163,46 +204,56 @@ def _place_in_run(order_key_N: jax.Array, run_N: jax.Array, start_R: jax.Array) 
   return jnp.zeros_like(run_N).at[order_N].set(sorted_N)
 
 
-def _tiled_swiglu(x_NxD: jax.Array, key_N: jax.Array, groups_G: jax.Array, w_gate_GxDxF,
-                  w_up_GxDxF, w_down_GxFxD) -> jax.Array:
-  """Rows of x (any order) through expert `key_N` (G: none, zero out): each
-  expert's rows padded to whole tiles of M rows, every tile one batched GEMM
-  with its expert's matrices. Tiles: sum_g ceil(rows_g / M) < N / M + G, so at
-  most ceil(N / M) + G - 1, a static bound."""
-  n, d = x_NxD.shape
-  g = groups_G.shape[0]
-  m = tile_rows(n, g)
-  tiles = -(-n // m) + g - 1
+def _tile_layout(key_A: jax.Array, groups_G: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+  """The tiled grouped GEMM's rows: (slot_A, group_T, M). Each expert's rows
+  (`key_A`, G: none) are padded to whole tiles of M rows; slot_A is each row's
+  place in the tiles (rows of none: past the end) and group_T each tile's
+  expert. Tiles: sum_g ceil(rows_g / M) < A / M + G, so at most ceil(A / M) +
+  G - 1, a static bound."""
+  a, g = key_A.shape[0], groups_G.shape[0]
+  m = tile_rows(a, g)
+  tiles = -(-a // m) + g - 1
   padded_G = -(-groups_G // m) * m
   padded_start_G = jnp.cumsum(padded_G) - padded_G
-  rank_N = _place_in_run(key_N, key_N, jnp.cumsum(groups_G) - groups_G)
-  slot_N = jnp.where(key_N < g, padded_start_G.at[key_N].get(mode="fill", fill_value=0) + rank_N,
-                     tiles * m)  # past the end: dropped
+  rank_A = _place_in_run(key_A, key_A, jnp.cumsum(groups_G) - groups_G)
+  slot_A = jnp.where(key_A < g, padded_start_G.at[key_A].get(mode="fill", fill_value=0) + rank_A,
+                     tiles * m)
   # A tile belongs to the group whose padded run holds its first row (tiles past all: the last).
   group_T = jnp.minimum(jnp.sum(jnp.arange(tiles)[:, None] * m >= jnp.cumsum(padded_G)[None, :],
                                 axis=1), g - 1)
-  x_TxMxD = jnp.zeros((tiles * m, d), x_NxD.dtype).at[slot_N].set(x_NxD, mode="drop").reshape(
-      tiles, m, d)
-  y_TxMxD = _swiglu(x_TxMxD, lambda x, w: _tile_matmul(*_varying_alike(x, w), group_T),
-                    w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
-  return y_TxMxD.reshape(tiles * m, d).at[slot_N].get(mode="fill", fill_value=0)
+  return slot_A, group_T, m
 
 
-def _grouped(x_NxD: jax.Array, expert_N: jax.Array, num_experts: int, w_gate, w_up, w_down,
-             gemm: str = "tiled"):
-  """Each row through expert `expert_N` (-1: none, zero out), in the rows' order,
-  by `gemm` (one of `GEMMS`); one expert (each device's own under expert
-  parallelism as wide as the experts) by a plain SwiGLU on every row."""
+def _grouped(x_NxD: jax.Array, expert_NxK: jax.Array, num_experts: int, w_gate, w_up, w_down,
+             gemm: str = "tiled") -> jax.Array:
+  """out[n, k]: row n through its expert `expert_NxK[n, k]` (-1: none, zero
+  out), in x's dtype, by `gemm` (one of `GEMMS`); one expert (each device's own
+  under expert parallelism as wide as the experts) by a plain SwiGLU on every
+  row. The rows reach the GEMM's buffer and come back by gathers alone
+  (`take_rows`), forward and backward: a D-wide scatter would add atomically
+  on a GPU."""
+  n, k = expert_NxK.shape
+  d = x_NxD.shape[-1]
   if num_experts == 1:
-    y_NxD = _swiglu(x_NxD, _dense_dot, w_gate[0], w_up[0], w_down[0])
-    return jnp.where((expert_N == 0)[:, None], y_NxD, 0.0)
-  key_N = jnp.where(expert_N >= 0, expert_N, num_experts)
-  groups_G = jnp.bincount(key_N, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    y_NxD = _swiglu(x_NxD, _dense_dot, w_gate[0], w_up[0], w_down[0]).astype(x_NxD.dtype)
+    return jnp.where((expert_NxK == 0)[..., None], y_NxD[:, None], jnp.zeros((), x_NxD.dtype))
+  key_A = jnp.where(expert_NxK >= 0, expert_NxK, num_experts).reshape(n * k)
+  groups_G = jnp.bincount(key_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   if gemm == "tiled":
-    return _tiled_swiglu(x_NxD, key_N, groups_G, w_gate, w_up, w_down)
-  order_N = jnp.argsort(key_N, stable=True)
-  out_NxD = _ragged_swiglu(x_NxD[order_N], groups_G, w_gate, w_up, w_down, gemm)
-  return jnp.zeros_like(out_NxD).at[order_N].set(out_NxD)
+    slot_A, group_T, m = _tile_layout(key_A, groups_G)
+    source_S = _sources(slot_A, group_T.shape[0] * m)
+    dot = lambda x, w: _tile_matmul(*_varying_alike(x, w), group_T)  # noqa: E731
+    swiglu = lambda x_SxD: _swiglu(  # noqa: E731
+        x_SxD.reshape(-1, m, d), dot, w_gate, w_up, w_down).reshape(-1, d)
+  else:  # sorted by expert, rows of none last
+    source_S = jnp.argsort(key_A, stable=True)
+    slot_A = _sources(source_S, n * k)
+    swiglu = lambda x_SxD: _ragged_swiglu(  # noqa: E731
+        x_SxD, groups_G, w_gate, w_up, w_down, gemm)
+  rows_SxD = take_rows(x_NxD, jnp.where(source_S < n * k, source_S // k, n),
+                       slot_A.reshape(n, k))
+  y_SxD = swiglu(rows_SxD).astype(x_NxD.dtype)  # back in the activations' dtype
+  return take_rows(y_SxD, slot_A, source_S[:, None]).reshape(n, k, d)
 
 
 def grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
@@ -210,12 +261,11 @@ def grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   """All experts on this device: every assignment a row, grouped by expert."""
   b, length, d = x_BxLxD.shape
   k = expert_BxLxK.shape[-1]
-  rows_AxD = jnp.repeat(x_BxLxD.reshape(b * length, d), k, axis=0)
-  out_AxD = _grouped(rows_AxD, expert_BxLxK.reshape(-1), w_gate_ExDxF.shape[0], w_gate_ExDxF,
-                     w_up_ExDxF, w_down_ExFxD, gemm)
-  out_BxLxKxD = out_AxD.reshape(b, length, k, d)
-  y = jnp.einsum("blkd,blk->bld", out_BxLxKxD, weight_BxLxK.astype(jnp.float32))
-  return y.astype(x_BxLxD.dtype)
+  out_TxKxD = _grouped(x_BxLxD.reshape(b * length, d), expert_BxLxK.reshape(b * length, k),
+                       w_gate_ExDxF.shape[0], w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gemm)
+  y_TxD = jnp.einsum("tkd,tk->td", out_TxKxD, weight_BxLxK.reshape(b * length, k).astype(
+      jnp.float32))
+  return y_TxD.reshape(b, length, d).astype(x_BxLxD.dtype)
 
 
 def manual_token_sum(x_BxL: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -250,9 +300,11 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
   dest_A = expert_A // local  # n: dropped, sent nowhere
   starts_N = jnp.cumsum(counts_E.reshape(n, local).sum(1)) - counts_E.reshape(n, local).sum(1)
   slot_A = _place_in_run(expert_A, dest_A, starts_N)  # by device, then by its experts
-  token_A = jnp.arange(t * k) // k
-  send_NxCxD = jnp.zeros((n, capacity, d), x_TxD.dtype).at[dest_A, slot_A].set(
-      x_TxD[token_A], mode="drop")
+  # Each assignment's row of the n x capacity buckets (dropped or past its bucket: none).
+  place_A = jnp.where((dest_A < n) & (slot_A < capacity), dest_A * capacity + slot_A, n * capacity)
+  source_M = _sources(place_A, n * capacity)
+  send_NxCxD = take_rows(x_TxD, jnp.where(source_M < t * k, source_M // k, t),
+                         place_A.reshape(t, k)).reshape(n, capacity, d)
   counts_NxL = counts_E.reshape(n, local)
   if n > 1:
     send_NxCxD = lax.all_to_all(send_NxCxD, axes, 0, 0, tiled=True)
@@ -260,15 +312,15 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
   # Row c from source j belongs to the expert whose run of j's rows holds c.
   ends_NxL = jnp.cumsum(counts_NxL, axis=1)
   expert_NxC = jnp.sum(jnp.arange(capacity)[None, :, None] >= ends_NxL[:, None, :], axis=-1)
-  expert_M = jnp.where(expert_NxC < local, expert_NxC, -1).reshape(n * capacity)
+  expert_M = jnp.where(expert_NxC < local, expert_NxC, -1).reshape(n * capacity, 1)
   out_MxD = _grouped(send_NxCxD.reshape(n * capacity, d), expert_M, local, w_gate, w_up,
-                     w_down, gemm).astype(x_TxD.dtype)  # back in the activations' dtype
+                     w_down, gemm)[:, 0]
   if tensor:  # each tensor device ran its slice of the hidden width
     out_MxD = lax.psum(out_MxD, tensor)
   back_NxCxD = out_MxD.reshape(n, capacity, d)
   if n > 1:
     back_NxCxD = lax.all_to_all(back_NxCxD, axes, 0, 0, tiled=True)
-  out_AxD = back_NxCxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
+  out_AxD = take_rows(back_NxCxD.reshape(n * capacity, d), place_A, source_M[:, None])
   y_TxD = jnp.einsum("tkd,tk->td", out_AxD.reshape(t, k, d), weight_TxK.astype(jnp.float32))
   return y_TxD.astype(x_TxD.dtype)
 
