@@ -56,17 +56,19 @@ def abstract_mesh(mesh_cfg, num_devices: int) -> AbstractMesh:
   return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def _spec_axes(names, rules) -> set[str]:
-  return set(jax.tree.leaves(tuple(r.logical_to_spec(names, rules))))
+@functools.cache  # a search asks for the same weights under the same few tables
+def _spec_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
+  return frozenset(jax.tree.leaves(tuple(r.logical_to_spec(names, rules))))
 
 
-def _expert_axes(names, rules) -> set[str]:
+@functools.cache
+def _expert_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
   """The mesh axes that split a weight's `experts` dimension (expert parallelism):
   each device computes with its own experts, gathers none over these axes and
   reduces none of their gradients there."""
   spec = r.logical_to_spec(names, rules)
-  return {a for name, part in zip(names, spec) if name == r.EXPERTS
-          for a in jax.tree.leaves(part)}
+  return frozenset(a for name, part in zip(names, spec) if name == r.EXPERTS
+                   for a in jax.tree.leaves(part))
 
 
 def _prod(axes, mesh) -> int:
@@ -408,7 +410,13 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
   chunk's residuals each: W needs the weight matmuls' inputs and their output
   gradients); and the head's and loss's residuals, which only the last chunk
   keeps (`head_res` and `head_cut`)."""
-  table = schedule_table(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
+  return _pipeline_slots(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
+
+
+@functools.cache
+def _pipeline_slots(schedule: str, stages: int, microbatches: int,
+                    virtual_stages: int) -> tuple[int, int, int]:
+  table = schedule_table(schedule, stages, microbatches, virtual_stages)
   return (table.num_slots("act") + table.num_slots("grad"),
           table.num_slots("res") + table.num_slots("cut"),
           table.num_slots("head_res") + table.num_slots("head_cut"))

@@ -93,20 +93,20 @@ class Candidate:
     return dict(self.mesh)
 
   def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    cfg = ml_collections.ConfigDict(base.to_dict())
-    cfg.mesh.update(self.sizes)
+    cfg = base.to_dict()  # changed as a dict: a ConfigDict checks every field it sets, slowly
+    cfg["mesh"].update(self.sizes)
     cfg.update(zero_stage=self.zero_stage, remat=self.remat,
                grad_accum_steps=self.grad_accum_steps,
                tensor_sequence_parallel=self.tensor_sequence_parallel)
-    cfg.pipeline.stage_layers = self.stage_layers
+    cfg["pipeline"]["stage_layers"] = self.stage_layers
     if self.expert_parallel is not None:
-      cfg.expert_parallel = self.expert_parallel
+      cfg["expert_parallel"] = self.expert_parallel
     if self.sequence_strategy is not None:
-      cfg.attention.sequence_strategy = self.sequence_strategy
+      cfg["attention"]["sequence_strategy"] = self.sequence_strategy
     if self.sizes["pipeline"] > 1:
-      cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-                          schedule=self.schedule)
-    return cfg
+      cfg["pipeline"].update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+                             schedule=self.schedule)
+    return ml_collections.ConfigDict(cfg)
 
   def flags(self, across_hosts: list[str]) -> str:
     """The `--config.*` overrides that run this candidate."""

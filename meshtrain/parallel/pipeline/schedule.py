@@ -21,6 +21,7 @@ rule: each stage runs its next op at the first tick its inputs are there.
 
 import dataclasses
 import functools
+import heapq
 
 import numpy as np
 
@@ -180,12 +181,12 @@ def value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
 
   def use(buffer: str, c: int, m: int, column: str, tick: int) -> None:
     if 0 <= c <= last and tick < num_ticks:
-      key = (c % num_stages, int(m), c // num_stages)
-      uses[buffer].setdefault(key, []).append((column, int(tick)))
+      uses[buffer].setdefault((c % num_stages, m, c // num_stages), []).append((column, tick))
 
-  for tick, stage in np.argwhere(op != IDLE):
-    kind, m = op[tick, stage], mb[tick, stage]
-    c = int(chunk[tick, stage]) * num_stages + stage
+  ops, mbs, chunks = op.tolist(), mb.tolist(), chunk.tolist()  # Python ints: faster to read
+  for tick, stage in np.argwhere(op != IDLE).tolist():
+    kind, m = ops[tick][stage], mbs[tick][stage]
+    c = chunks[tick][stage] * num_stages + stage
     if kind == F:
       if c > 0:
         use("act", c, m, "act_slot", tick)
@@ -215,16 +216,21 @@ def value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
 
 
 def _assign_slots(uses: _Uses, tables: dict[str, np.ndarray], num_stages: int) -> None:
-  live_until = [[] for _ in range(num_stages)]  # per stage, per slot
-  by_start = sorted(uses.items(), key=lambda item: min(t for _, t in item[1]))
-  for (stage, _, _), events in by_start:
-    ticks = [tick for _, tick in events]
-    slots = live_until[stage]
-    slot = next((i for i, until in enumerate(slots) if until < min(ticks)), len(slots))
-    if slot == len(slots):
-      slots.append(max(ticks))
+  """Each value, by start tick, takes its stage's lowest slot whose value is
+  dead by then (`free`: ordered heaps; `busy`: (last tick, slot) heaps)."""
+  slots = [0] * num_stages  # slots each stage has opened
+  free = [[] for _ in range(num_stages)]
+  busy = [[] for _ in range(num_stages)]
+  by_start = sorted(((min(t for _, t in events), key, events) for key, events in uses.items()),
+                    key=lambda item: item[0])
+  for start, (stage, _, _), events in by_start:
+    while busy[stage] and busy[stage][0][0] < start:
+      heapq.heappush(free[stage], heapq.heappop(busy[stage])[1])
+    if free[stage]:
+      slot = heapq.heappop(free[stage])
     else:
-      slots[slot] = max(ticks)
+      slot, slots[stage] = slots[stage], slots[stage] + 1
+    heapq.heappush(busy[stage], (max(t for _, t in events), slot))
     for column, tick in events:
       tables[column][tick, stage] = slot
 
