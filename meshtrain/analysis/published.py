@@ -31,6 +31,10 @@ class Run:
   # The published layers per pipeline chunk, for each number of chunks a
   # stage the run may have had (none: the planner's own layouts).
   stage_layers: tuple[str, ...] = ()
+  # Megatron's sequence parallelism with the tensor split (Korthikanti et al.
+  # 2022): not in Megatron-LM's 2021 runs, nor in BLOOM's and OPT's
+  # Megatron-based stacks of the time.
+  tensor_sequence_parallel: bool = True
 
   def config(self):
     c = config_lib.get_config()
@@ -97,13 +101,15 @@ RUNS = (
         128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False,
         stage_layers=LLAMA3_STAGES),
     Run("Megatron-LM GPT 1.7B", MEGATRON, "a100_80gb", 32, _gpt(24, 2304, 24), 2048, 512,
-        dict(data=32), 137, True, remat="full"),
+        dict(data=32), 137, True, remat="full", tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 18.4B", MEGATRON, "a100_80gb", 256, _gpt(48, 6144, 40), 2048, 1024,
-        dict(data=32, tensor=8), 135, True, remat="full"),
+        dict(data=32, tensor=8), 135, True, remat="full", tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 145.6B", MEGATRON, "a100_80gb", 1536, _gpt(96, 12288, 80), 2048, 2304,
-        dict(data=24, pipeline=8, tensor=8), 148, True, remat="full"),
+        dict(data=24, pipeline=8, tensor=8), 148, True, remat="full",
+        tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 1T", MEGATRON, "a100_80gb", 3072, _gpt(160, 25600, 128), 2048, 3072,
-        dict(data=6, pipeline=64, tensor=8), 163, True, remat="full"),
+        dict(data=6, pipeline=64, tensor=8), 163, True, remat="full",
+        tensor_sequence_parallel=False),
     # Korthikanti et al. 2022 (sequence parallelism and selective recomputation),
     # Tables 3 and 5: the same GPT family on DGX A100s, tensor parallelism of
     # 8 with sequence parallelism, batch = GPUs, 2,048 tokens; model FLOPs
@@ -148,7 +154,7 @@ RUNS = (
     # recomputation (the README's "hardware TFLOPs", Megatron's 4 x 2 factor).
     Run("BLOOM 176B", BLOOM, "jean_zay_a100", 384, _gpt(112, 14_336, 70, vocab=250_880), 2048,
         2048, dict(data=8, pipeline=12, tensor=4), 150, True, remat="full",
-        stage_layers=(fewer_at_the_ends(70, 12),)),
+        stage_layers=(fewer_at_the_ends(70, 12),), tensor_sequence_parallel=False),
     # OPT-175B: 992 A100 80GB, Fully Sharded Data Parallel with Megatron-LM
     # tensor parallelism of 8 (so FSDP over 124), 96 layers, width 12,288, 96
     # heads, a ReLU MLP of 4h, GPT-2's BPE (50,272 in the model), 2,048-token
@@ -159,7 +165,7 @@ RUNS = (
     # convention of the time (recomputation counted): 147 model TFLOP/s would
     # be 63% of peak in hardware FLOPs, above every Megatron-LM run of 2021.
     Run("OPT-175B", OPT, "a100_80gb", 992, _gpt(96, 12_288, 96, vocab=50_272), 2048, 992,
-        dict(fsdp=124, tensor=8), 147, True, remat="full"),
+        dict(fsdp=124, tensor=8), 147, True, remat="full", tensor_sequence_parallel=False),
 )
 
 # Clusters of published runs that no preset of `meshtrain.analysis.clusters`
@@ -191,15 +197,19 @@ def cluster(name: str) -> clusters.Cluster:
 # TFLOP/s per GPU counting the recomputation.
 CALIBRATION = (
     Run("Megatron-LM GPT 3.6B", MEGATRON, "a100_80gb", 64, _gpt(32, 3072, 30), 2048, 512,
-        dict(data=32, tensor=2), 138, True, remat="full"),
+        dict(data=32, tensor=2), 138, True, remat="full", tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 7.5B", MEGATRON, "a100_80gb", 128, _gpt(32, 4096, 36), 2048, 512,
-        dict(data=32, tensor=4), 142, True, remat="full"),
+        dict(data=32, tensor=4), 142, True, remat="full", tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 39.1B", MEGATRON, "a100_80gb", 512, _gpt(64, 8192, 48), 2048, 1536,
-        dict(data=32, pipeline=2, tensor=8), 138, True, remat="full"),
+        dict(data=32, pipeline=2, tensor=8), 138, True, remat="full",
+        tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 76.1B", MEGATRON, "a100_80gb", 1024, _gpt(80, 10240, 60), 2048, 1792,
-        dict(data=32, pipeline=4, tensor=8), 140, True, remat="full"),
+        dict(data=32, pipeline=4, tensor=8), 140, True, remat="full",
+        tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 310.1B", MEGATRON, "a100_80gb", 1920, _gpt(128, 16384, 96), 2048, 2160,
-        dict(data=15, pipeline=16, tensor=8), 155, True, remat="full"),
+        dict(data=15, pipeline=16, tensor=8), 155, True, remat="full",
+        tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 529.6B", MEGATRON, "a100_80gb", 2520, _gpt(128, 20480, 105), 2048, 2520,
-        dict(data=9, pipeline=35, tensor=8), 163, True, remat="full"),
+        dict(data=9, pipeline=35, tensor=8), 163, True, remat="full",
+        tensor_sequence_parallel=False),
 )

@@ -87,6 +87,12 @@ class Candidate:
   tensor_sequence_parallel: bool = False
   expert_parallel: str | None = None  # MoE: config.expert_parallel (None: the config's)
   sequence_strategy: str | None = None  # with `sequence`: config.attention.sequence_strategy
+  # Pricing a published run only (meshtrain does not run it): tensor
+  # parallelism before Megatron's sequence parallelism, its norms and residual
+  # adds on every tensor rank over every token (Megatron-LM 2021, whose
+  # scatter/gather optimization still split its pipeline sends over `tensor`
+  # as sequence parallelism does, so the collectives are priced as with it).
+  replicated_norms: bool = False
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -299,8 +305,20 @@ class StepModel:
                                     self.efficiency) - 2 * math.prod(g) / (
                                         cluster.peak_flops * self.efficiency) for g in gemms)
     widths = sum(n for _, _, n in gemms)  # the activations the layer's matmuls write
-    elementwise = costs.elementwise_seconds(tokens, widths, self.elementwise,
-                                            cluster.memory_bandwidth)
+    # Of them, the width-wide partial sums of the tensor-parallel output
+    # projections (attention's and the MLP's down projection): under Megatron's
+    # sequence parallelism they are reduce-scattered (read once whole) and the
+    # norm's output all-gathered (written once whole) for the next matmul, and
+    # the rest of their passes (residual add, norm, ...) run on a rank's share
+    # of the tokens; without it every rank runs them all on every token.
+    t = sizes["tensor"]
+    partial = sum(n for g, _, n in gemms if g == tokens and n == cfg.model.embed_dim
+                  ) if t > 1 else 0.0
+    split = t if c.tensor_sequence_parallel and not c.replicated_norms else 1
+    whole = min(2.0, self.elementwise)
+    elementwise = costs.elementwise_seconds(tokens, widths - partial, self.elementwise,
+                                            cluster.memory_bandwidth) + costs.elementwise_seconds(
+        tokens, partial, whole + (self.elementwise - whole) / split, cluster.memory_bandwidth)
     scores = costs.attention_scores_seconds(self.score_elements(c, cfg, rows), c.remat != "none",
                                             cluster.memory_bandwidth)
     return ((excess + elementwise) * passes + scores) * layers * microbatches
@@ -655,7 +673,8 @@ def as_published(model: StepModel, run, results: list[Estimate] | None = None) -
   def as_run(c: Candidate) -> Candidate:
     chunks = c.virtual_stages * sizes["pipeline"]
     return dataclasses.replace(c, remat=run.remat,
-                               stage_layers=layouts.get(chunks, c.stage_layers))
+                               stage_layers=layouts.get(chunks, c.stage_layers),
+                               replicated_norms=not run.tensor_sequence_parallel)
   kept = [e.candidate for e in results or () if on_mesh(e.candidate)]
   if not kept:
     every = [c for c in candidates(model, run.devices, only=sizes) if on_mesh(c)]
