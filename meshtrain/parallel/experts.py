@@ -184,6 +184,14 @@ def _sources(sink_A: jax.Array, size: int) -> jax.Array:
       jnp.arange(count, dtype=sink_A.dtype), mode="drop")
 
 
+def _assignment_rows(x_TxD: jax.Array, place_A: jax.Array, source_M: jax.Array) -> jax.Array:
+  """Row m: the token of assignment `source_M[m]` (none: zero), for a token's
+  k assignments (a = t * k + j) placed at `place_A`, the inverse of `source_M`."""
+  t, a = x_TxD.shape[0], place_A.shape[0]
+  return take_rows(x_TxD, jnp.where(source_M < a, source_M // (a // t), t),
+                   place_A.reshape(t, a // t))
+
+
 def tile_rows(rows: int, groups: int) -> int:
   """Rows of a tile: the power of two at or below a quarter of a group's mean
   share, at most `MAX_TILE`. Padding costs at most one tile a group (a quarter
@@ -250,9 +258,8 @@ def _grouped(x_NxD: jax.Array, expert_NxK: jax.Array, num_experts: int, w_gate, 
     slot_A = _sources(source_S, n * k)
     swiglu = lambda x_SxD: _ragged_swiglu(  # noqa: E731
         x_SxD, groups_G, w_gate, w_up, w_down, gemm)
-  rows_SxD = take_rows(x_NxD, jnp.where(source_S < n * k, source_S // k, n),
-                       slot_A.reshape(n, k))
-  y_SxD = swiglu(rows_SxD).astype(x_NxD.dtype)  # back in the activations' dtype
+  y_SxD = swiglu(_assignment_rows(x_NxD, slot_A, source_S))
+  y_SxD = y_SxD.astype(x_NxD.dtype)  # back in the activations' dtype
   return take_rows(y_SxD, slot_A, source_S[:, None]).reshape(n, k, d)
 
 
@@ -303,8 +310,7 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
   # Each assignment's row of the n x capacity buckets (dropped or past its bucket: none).
   place_A = jnp.where((dest_A < n) & (slot_A < capacity), dest_A * capacity + slot_A, n * capacity)
   source_M = _sources(place_A, n * capacity)
-  send_NxCxD = take_rows(x_TxD, jnp.where(source_M < t * k, source_M // k, t),
-                         place_A.reshape(t, k)).reshape(n, capacity, d)
+  send_NxCxD = _assignment_rows(x_TxD, place_A, source_M).reshape(n, capacity, d)
   counts_NxL = counts_E.reshape(n, local)
   if n > 1:
     send_NxCxD = lax.all_to_all(send_NxCxD, axes, 0, 0, tiled=True)
