@@ -71,6 +71,14 @@ def damage_reason(error: BaseException) -> str | None:
   return None
 
 
+def _runtime_error(error: BaseException) -> BaseException | None:
+  """The JAX runtime error that `error` is or was raised from (a collective of
+  the save that failed, as when a peer process went away); else None."""
+  while error is not None and not isinstance(error, jax.errors.JaxRuntimeError):
+    error = error.__cause__ or error.__context__
+  return error
+
+
 def _closed_loop(value, tb) -> bool:
   """asyncio's `Event loop is closed`, met by a thread that is not Python's main one."""
   if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed" and
@@ -247,6 +255,9 @@ class Checkpoints:
       yield
     except Exception as error:  # orbax and tensorstore raise many kinds for an OS error
       self._failed = True
+      collective = _runtime_error(error)
+      if collective is not None:  # a peer went away mid-save: the watchdog judges (train.loop)
+        raise collective from None
       message = str(error)
       known = re.search(_DISK_FAILURE, message)
       reason = known.group(0) if known else (message.strip().splitlines() or [repr(error)])[0]

@@ -155,6 +155,27 @@ def test_after_an_error_with_every_peer_alive_the_error_is_the_callers(tmp_path)
     watchdog.close()
 
 
+def test_a_last_heartbeat_first_read_after_the_error_is_no_sign_of_life(tmp_path):
+  """Process 1 wrote its last heartbeat just before it died, and process 0
+  first reads it after its collective failed: written before the error, so
+  process 0 keeps judging, and loses process 1 once its heartbeats stay still."""
+  store, key = Store(), "meshtrain/heartbeat/1"
+  store.values[key] = "1 5"
+  watchdog, codes, out = dog(tmp_path, peer_timeout_s=0.5, client=store, num_processes=2)
+  watchdog.start()
+  time.sleep(0.3)  # "1 5" is read
+  verdict = threading.Thread(target=watchdog.await_verdict, daemon=True)
+  with store.lock:  # nothing is read until the error is being judged
+    store.values[key] = "2 5"
+    verdict.start()
+    time.sleep(0.1)
+  verdict.join(timeout=3)
+  watchdog.close()
+  assert verdict.is_alive()  # not judged alive: the caller's error is not raised
+  assert codes == [EXIT_CODE]
+  assert "error: distributed: process 1 lost at step 0" in out.getvalue()
+
+
 def test_the_process_leaves_with_exit_code_4_and_one_line(tmp_path):
   script = LOAD + (f"d = w.Watchdog({str(tmp_path)!r}, step_timeout_s=0.5, interval_s=0.1).start(); "
                    "d.expect('step 3', 3, 0.5); import time; time.sleep(60)")

@@ -76,9 +76,11 @@ class Watchdog:
     self._what, self._step, self._deadline, self._allowed = "setting up", 0, math.inf, 0.0
     self._seen: set[str] = set()  # the kinds of `allowance` that ran once (and compiled)
     self._previous = None  # the outputs of the step dispatched last
-    # key -> (its last value, when it changed); peers not heard from yet count from now
-    self._peers: dict[str, tuple[str | None, float]] = {
-        self._key(p): (None, time.monotonic()) for p in range(num_processes) if p != process_index}
+    # key -> (its last value, when a read first returned it, when the value
+    # before it was first read); peers not heard from yet count from now
+    self._peers: dict[str, tuple[str | None, float, float]] = {
+        self._key(p): (None, time.monotonic(), -math.inf)
+        for p in range(num_processes) if p != process_index}
     self._done_peers: set[str] = set()
     self._answered = time.monotonic()  # when the key-value store last answered
     self._fired = False
@@ -148,15 +150,18 @@ class Watchdog:
   def await_verdict(self) -> None:
     """After a runtime error in a collective: returns once every peer has
     sent a heartbeat since (they are alive, so the error is the caller's to
-    raise); a lost peer ends the process from the watch thread meanwhile."""
+    raise); a lost peer ends the process from the watch thread meanwhile.
+    A peer's newest value, first read after the error, may be the last one it
+    wrote before it died; the one after a value first read after the error
+    was written after it."""
     if self.client is None:
       return
     since = time.monotonic()
     self.expect(f"checking the peers at step {self._step}", self._step, self.peer_timeout_s * 2 + 5)
     while time.monotonic() - since < self.peer_timeout_s * 2 + 5:
       with self._lock:
-        alive = all(key in self._done_peers or changed > since
-                    for key, (_, changed) in self._peers.items())
+        alive = all(key in self._done_peers or before > since
+                    for key, (_, _, before) in self._peers.items())
       if alive and self._peers:
         return
       time.sleep(self.interval_s / 4)
@@ -184,22 +189,23 @@ class Watchdog:
             return
           self.client.key_value_set(self._key(self.process_index), f"{count} {self._step}",
                                     allow_overwrite=True)
+        asked = time.monotonic()  # the values read were in the store at this time or later
         values = self.client.key_value_dir_get(_KEYS)
       except Exception:  # the service is away: `_watch` counts the silence
         values = None
       if self._closed.is_set() or values is None:
         self._closed.wait(self.interval_s)
         continue
-      now = time.monotonic()
       with self._lock:
-        self._answered = now
+        self._answered = asked
         for key, value in values:  # full keys
           if key == self._key(self.process_index):
             continue
           if value == _DONE:
             self._done_peers.add(key)
-          if self._peers.get(key, (None,))[0] != value:
-            self._peers[key] = (value, now)
+          last, changed, _ = self._peers.get(key, (None, asked, -math.inf))
+          if last != value:
+            self._peers[key] = (value, asked, changed)
       self._closed.wait(self.interval_s)
 
   def _watch(self) -> None:
@@ -209,7 +215,7 @@ class Watchdog:
         what, step, deadline, allowed = self._what, self._step, self._deadline, self._allowed
         # a peer is judged on what the store said: silent until its last answer
         silent = {key: (self._answered - changed, value)
-                  for key, (value, changed) in self._peers.items() if key not in self._done_peers}
+                  for key, (value, changed, _) in self._peers.items() if key not in self._done_peers}
         unanswered = now - self._answered
       if self.client is not None and self.peer_timeout_s:
         key = max(silent, key=lambda k: silent[k][0], default=None)
