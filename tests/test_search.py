@@ -16,6 +16,7 @@ from meshtrain.analysis import calibration, clusters, costs, published, search
 from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
 from meshtrain.train.setup import sharding_rules
 
@@ -385,7 +386,21 @@ def test_accumulated_gradients_are_reduced_after_the_microbatches():
 
 
 def test_pipelines_try_every_microbatch_count_the_rows_allow():
-  # 96 sequences a replica on 8 stages: every divisor of 96 from 8 to 64.
-  assert search.microbatch_counts(96, 8) == [8, 12, 16, 24, 32, 48]
+  # 96 sequences a replica on 8 stages: every divisor of 96 from 8 up, one
+  # sequence a microbatch (96) included.
+  assert search.microbatch_counts(96, 8) == [8, 12, 16, 24, 32, 48, 96]
   assert search.microbatch_counts(4, 8) == []
-  assert search.microbatch_counts(1024, 8) == [8, 16, 32, 64]  # to 8p
+  assert search.microbatch_counts(1024, 8) == [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("name, chunks", [("1f1b", 1), ("zb_h1", 1), ("zb_h2", 1), ("gpipe", 1),
+                                          ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+def test_tables_past_eight_microbatches_a_stage_are_read_off_a_line(name, chunks):
+  """What the planner reads from a schedule's table with more than 8
+  microbatches a stage (idle cells, cells, sends, the slots of each kind, the
+  ticks of each row of chunks) equals the built table's exactly."""
+  for stages in (3, 5):
+    counts = [n for n in range(8 * stages + 1, 14 * stages, 3) if chunks == 1 or n % stages == 0]
+    for n in counts + [25 * stages]:
+      line = costs.table_counts(name, stages, n, chunks)
+      assert line == costs.counted(schedules.build(name, stages, n, chunks)), (stages, n)

@@ -24,6 +24,7 @@
   stages, the head on the last one): a tick lasts as long as its longest op.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -118,13 +119,71 @@ def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> fl
   return per_layer + (layers - 1) * max(slowed, per_layer - per_compute)
 
 
-_table = functools.cache(schedules.build)
+@dataclasses.dataclass(frozen=True)
+class TableCounts:
+  """What the planner reads from meshtrain's table for a schedule.
+
+  idle, cells: idle stage-ticks, and all of them; sends: ticks after which
+  every stage sends (`Schedule.sends`); slots: a stage's most inputs and
+  input gradients waiting, chunk residuals and cuts, head residuals and cuts
+  (`Schedule.num_slots`); ticks_by_chunks: how many ticks run each row of
+  chunks over the stages (-1 where a stage idles)."""
+
+  idle: float
+  cells: float
+  sends: float
+  slots: tuple[float, float, float]
+  ticks_by_chunks: dict[tuple[int, ...], float]
+
+  def along(self, other: "TableCounts", t: float) -> "TableCounts":
+    """The counts (1 - t) of the way from self to `other` and t of the way."""
+    on_line = lambda a, b: a + (b - a) * t  # noqa: E731
+    rows = self.ticks_by_chunks.keys() | other.ticks_by_chunks.keys()
+    return TableCounts(
+        on_line(self.idle, other.idle), on_line(self.cells, other.cells),
+        on_line(self.sends, other.sends),
+        tuple(on_line(a, b) for a, b in zip(self.slots, other.slots)),
+        {row: on_line(self.ticks_by_chunks.get(row, 0), other.ticks_by_chunks.get(row, 0))
+         for row in rows})
+
+
+def counted(table: schedules.Schedule) -> TableCounts:
+  """The `TableCounts` of a built table."""
+  rows, ticks = np.unique(np.where(table.op != schedules.IDLE, table.chunk, -1), axis=0,
+                          return_counts=True)
+  return TableCounts(
+      int((table.op == schedules.IDLE).sum()), table.op.size, int(table.sends().sum()),
+      tuple(table.num_slots(a) + table.num_slots(b)
+            for a, b in (("act", "grad"), ("res", "cut"), ("head_res", "head_cut"))),
+      {tuple(row.tolist()): int(n) for row, n in zip(rows, ticks)})
+
+
+# Tables up to this many microbatches a stage are built; past it, every count
+# in `TableCounts` lies on a line in the microbatch count: every schedule's
+# steady state repeats with each `stages` microbatches more, adding the same
+# ticks, idle cells, sends and slots (tests/test_search.py checks the line
+# against built tables). One sequence per microbatch is thousands of
+# microbatches, whose tables take seconds each to build (1,536 on 64 stages: 9 s).
+BUILT_PER_STAGE = 8
 
 
 @functools.cache
+def table_counts(name: str, stages: int, microbatches: int, chunks: int = 1) -> TableCounts:
+  """`counted` of meshtrain's table for the schedule: of the table itself up
+  to BUILT_PER_STAGE x `stages` microbatches, else on the line through two
+  built tables whose counts, 6 and 7 times `stages` and more, leave the same
+  remainder by `stages`."""
+  if microbatches <= BUILT_PER_STAGE * stages:
+    return counted(schedules.build(name, stages, microbatches, chunks))
+  low = (BUILT_PER_STAGE - 2) * stages + microbatches % stages
+  at_low, at_high = (table_counts(name, stages, n, chunks) for n in (low, low + stages))
+  return at_low.along(at_high, (microbatches - low) / stages)
+
+
 def lockstep_bubble(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
   """Idle share of stage-ticks in meshtrain's table for the schedule."""
-  return float((_table(name, stages, microbatches, chunks).op == schedules.IDLE).mean())
+  counts = table_counts(name, stages, microbatches, chunks)
+  return counts.idle / counts.cells
 
 
 def lockstep_seconds(name: str, microbatches: int, work_VxP: np.ndarray) -> float:
@@ -135,7 +194,8 @@ def lockstep_seconds(name: str, microbatches: int, work_VxP: np.ndarray) -> floa
   and W of every microbatch. Where all chunks do alike, ticks x one op:
   the stages' busy time over (1 - `lockstep_bubble`)."""
   chunks, stages = work_VxP.shape
-  table = _table(name, stages, microbatches, chunks)
-  op_s = np.where(table.op != schedules.IDLE,
-                  work_VxP[table.chunk.clip(0), np.arange(stages)], 0.0) / (3 * microbatches)
-  return float(op_s.max(axis=1).sum())
+  work_with_idle_VxP = np.vstack([work_VxP, np.zeros(stages)])  # row -1: an idle stage
+  longest = sum(ticks * work_with_idle_VxP[list(row), range(stages)].max()
+                for row, ticks in table_counts(name, stages, microbatches, chunks
+                                               ).ticks_by_chunks.items())
+  return float(longest) / (3 * microbatches)

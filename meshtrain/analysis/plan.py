@@ -37,11 +37,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import hlo, residuals
+from meshtrain.analysis import costs, hlo, residuals
 from meshtrain.models import flops
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.parallel import experts, sequence
-from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import local_sgd, setup as setup_lib
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, slots,
@@ -243,8 +242,8 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
     _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed * passes)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
-    sends = schedule_table(cfg.pipeline.schedule, stages, microbatches,
-                           cfg.pipeline.virtual_stages).sends().sum()
+    sends = round(costs.table_counts(cfg.pipeline.schedule, stages, microbatches,
+                                     cfg.pipeline.virtual_stages).sends)
     sent = activation / (t if cfg.tensor_sequence_parallel else 1)
     comm.add("collective-permute", {"pipeline"}, sent, mesh, sends * cfg.grad_accum_steps)
 
@@ -338,12 +337,6 @@ def stacked_slots(cfg) -> int | None:
   return None if layout.even_split else len(layout.counts) * layout.slots
 
 
-@functools.cache
-def schedule_table(name: str, stages: int, microbatches: int, chunks: int) -> schedules.Schedule:
-  """A pipeline schedule, built once (a search asks for the same ones often)."""
-  return schedules.build(name, stages, microbatches, chunks)
-
-
 def _gathers(names, cfg, in_ticks: bool = False) -> float:
   """How often a step gathers a weight split over batch axes (what XLA does):
   a stacked layer weight per layer and microbatch, forward and backward and
@@ -410,16 +403,8 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
   chunk's residuals each: W needs the weight matmuls' inputs and their output
   gradients); and the head's and loss's residuals, which only the last chunk
   keeps (`head_res` and `head_cut`)."""
-  return _pipeline_slots(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
-
-
-@functools.cache
-def _pipeline_slots(schedule: str, stages: int, microbatches: int,
-                    virtual_stages: int) -> tuple[int, int, int]:
-  table = schedule_table(schedule, stages, microbatches, virtual_stages)
-  return (table.num_slots("act") + table.num_slots("grad"),
-          table.num_slots("res") + table.num_slots("cut"),
-          table.num_slots("head_res") + table.num_slots("head_cut"))
+  counts = costs.table_counts(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
+  return tuple(round(n) for n in counts.slots)
 
 
 def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,

@@ -521,13 +521,11 @@ def expert_layouts(cfg, sizes: dict) -> list[str | None]:
 
 def microbatch_counts(rows: int, stages: int) -> list[int]:
   """Pipeline microbatch counts to try for `rows` sequences per replica:
-  every count from p stages to 8p that divides the rows (`candidates` keeps
-  interleaving to the multiples of p, as meshtrain's validation does). Not
-  beyond 8p: the lock-step bubble is under 1/9 there and falls little
-  further while each microbatch shrinks, and every divisor up to the rows
-  (2,048 on a replica of Llama 3 405B's batch) made bench/planner_validation.py
-  run over three times as long."""
-  return [n for n in _divisors(rows) if stages <= n <= 8 * stages]
+  every count from p stages up that divides the rows, one sequence per
+  microbatch included (`candidates` keeps interleaving to the multiples of
+  p, as meshtrain's validation does). Past 8p the planner reads the
+  schedule's table off a line (`costs.table_measure`) instead of building it."""
+  return [n for n in _divisors(rows) if n >= stages]
 
 
 # The most a pipeline chunk may do over the mean of all chunks (layers, and

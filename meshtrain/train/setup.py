@@ -217,7 +217,7 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
                       f"config.mesh.pipeline={p} (a group of {p} fills the ring), got {m}: use "
                       f"{p * max(1, round(m / p))} or config.pipeline.virtual_stages=1")
   try:
-    schedules.build(cfg.pipeline.schedule, p, m, v)
+    schedules.check(cfg.pipeline.schedule, p, m, v)
   except ValueError as error:
     raise ConfigError("config.pipeline.microbatches", str(error)) from None
 

@@ -295,11 +295,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
   M must be a multiple of P (for V > 1): chunk v + 1 of a microbatch needs
   P ticks to come round the ring, which a group of P microbatches fills."""
   _check_sizes(num_stages, num_microbatches, num_chunks)
-  if num_chunks > 1 and num_microbatches % num_stages:
-    raise ValueError(
-        f"interleaved_1f1b needs num_microbatches to be a multiple of num_stages (Megatron's "
-        f"rule), got {num_microbatches} microbatches on {num_stages} stages: use "
-        f"{num_stages * max(1, round(num_microbatches / num_stages))} microbatches, or num_chunks=1")
+  _check_interleaving(num_stages, num_microbatches, num_chunks)
   warmup = [(num_stages - s - 1) * 2 + (num_chunks - 1) * num_stages
             for s in range(num_stages)]
   if num_chunks == 1:
@@ -384,16 +380,25 @@ def build(name: str, num_stages: int, num_microbatches: int,
   return table
 
 
+def check(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
+  """Raises the ValueError that `build` would for these arguments, without
+  building the table (which takes seconds for thousands of microbatches)."""
+  if name not in SCHEDULE_NAMES:
+    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of "
+                     f"{', '.join(SCHEDULE_NAMES)}")
+  if name != "interleaved_1f1b" and num_chunks != 1:
+    raise ValueError(f"{name} runs one chunk per stage, got num_chunks="
+                     f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
+  _check_sizes(num_stages, num_microbatches, num_chunks)
+  if name == "interleaved_1f1b":
+    _check_interleaving(num_stages, num_microbatches, num_chunks)
+
+
 def _build(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+  check(name, num_stages, num_microbatches, num_chunks)
   if name == "interleaved_1f1b":
     return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
   builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2}
-  if name not in builders:
-    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of "
-                     f"{', '.join(SCHEDULE_NAMES)}")
-  if num_chunks != 1:
-    raise ValueError(f"{name} runs one chunk per stage, got num_chunks="
-                     f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
   return builders[name](num_stages, num_microbatches)
 
 
@@ -403,3 +408,11 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> Non
   for key, value in sizes.items():
     if not isinstance(value, int | np.integer) or value < 1:
       raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _check_interleaving(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+  if num_chunks > 1 and num_microbatches % num_stages:
+    raise ValueError(
+        f"interleaved_1f1b needs num_microbatches to be a multiple of num_stages (Megatron's "
+        f"rule), got {num_microbatches} microbatches on {num_stages} stages: use "
+        f"{num_stages * max(1, round(num_microbatches / num_stages))} microbatches, or num_chunks=1")
