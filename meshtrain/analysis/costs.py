@@ -22,6 +22,8 @@
   a tick, so this is the bubble it runs (zero-bubble schedules included).
 - `lockstep_seconds`: the same table with each op at its own cost (uneven
   stages, the head on the last one): a tick lasts as long as its longest op.
+- `table_counts`: what these read from a table, past 8 microbatches a stage
+  on a line through two smaller tables instead of the table itself.
 """
 
 import dataclasses

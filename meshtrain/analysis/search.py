@@ -524,7 +524,7 @@ def microbatch_counts(rows: int, stages: int) -> list[int]:
   every count from p stages up that divides the rows, one sequence per
   microbatch included (`candidates` keeps interleaving to the multiples of
   p, as meshtrain's validation does). Past 8p the planner reads the
-  schedule's table off a line (`costs.table_measure`) instead of building it."""
+  schedule's table off a line (`costs.table_counts`) instead of building it."""
   return [n for n in _divisors(rows) if n >= stages]
 
 
