@@ -5,11 +5,14 @@ speed, its command line, and the published runs it must keep agreeing with
 import dataclasses
 import json
 import math
+import shlex
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from conftest import REPO, micro_config
 from meshtrain.analysis import calibration, clusters, costs, published, search
@@ -63,6 +66,25 @@ def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
     assert e.step_s == pytest.approx(e.compute_s + sum(e.exposed_s.values()) + e.bubble_s)
 
 
+def test_a_candidates_config_is_what_its_command_line_makes_of_the_base():
+  """`Candidate.config` (which shares the sections it leaves alone with the
+  base) equals config_flags' reading of the candidate's `--config.*` flags,
+  and making it leaves the base as it was."""
+  path = REPO / "configs" / "mixtral_8x7b.py"
+  cfg = load(path)
+  before = cfg.to_dict()
+  model = search.StepModel(cfg, clusters.PRESETS["h100"])
+  tried = list(search.candidates(model, 64))[::89]
+  assert {c.sizes["pipeline"] > 1 for c in tried} == {True, False}
+  assert len({c.expert_parallel for c in tried}) > 1
+  for c in tried:
+    values, argv = flags.FlagValues(), ["meshtrain", *shlex.split(c.flags([]))]
+    config_flags.DEFINE_config_file("config", str(path), flag_values=values, sys_argv=argv)
+    values(argv)
+    assert c.config(cfg).to_dict() == values.config.to_dict(), c
+  assert cfg.to_dict() == before
+
+
 def test_the_search_tries_each_sequence_strategy_meshtrain_runs():
   """Under `sequence` every context-parallel strategy, the ring not with a
   pipeline; each candidate's command names its strategy."""
@@ -103,7 +125,9 @@ def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
 
 # Rows the planner does not meet yet, each with why (docs/planner.md): strict,
 # so a row that starts to pass must leave this list.
-MISSES = {}
+MISSES = {"MT-NLG 530B, 280 nodes": "Megatron-DeepSpeed ran Megatron-LM's 529.6B layout at 0.77x "
+                                     "Megatron-LM's speed; the planner prices a layout, not the "
+                                     "software that runs it"}
 
 
 def published_case(run, quick: bool):
@@ -395,12 +419,14 @@ def test_pipelines_try_every_microbatch_count_the_rows_allow():
 
 @pytest.mark.parametrize("name, chunks", [("1f1b", 1), ("zb_h1", 1), ("zb_h2", 1), ("gpipe", 1),
                                           ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
-def test_tables_past_eight_microbatches_a_stage_are_read_off_a_line(name, chunks):
-  """What the planner reads from a schedule's table with more than 8
-  microbatches a stage (idle cells, cells, sends, the slots of each kind, the
-  ticks of each row of chunks) equals the built table's exactly."""
+def test_tables_past_five_microbatches_a_stage_are_read_off_a_line(name, chunks):
+  """What the planner reads from a schedule's table with more than
+  costs.BUILT_PER_STAGE microbatches a stage (idle cells, cells, sends, the
+  slots of each kind, the ticks of each row of chunks) equals the built
+  table's exactly (with 4 a stage, zb_h2's would not)."""
   for stages in (3, 5):
-    counts = [n for n in range(8 * stages + 1, 14 * stages, 3) if chunks == 1 or n % stages == 0]
+    built = costs.BUILT_PER_STAGE * stages
+    counts = [n for n in range(built + 1, built + 6 * stages, 3) if chunks == 1 or n % stages == 0]
     for n in counts + [25 * stages]:
       line = costs.table_counts(name, stages, n, chunks)
       assert line == costs.counted(schedules.build(name, stages, n, chunks)), (stages, n)

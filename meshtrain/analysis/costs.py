@@ -166,14 +166,14 @@ def counted(table: schedules.Schedule) -> TableCounts:
 # ticks, idle cells, sends and slots (tests/test_search.py checks the line
 # against built tables). One sequence per microbatch is thousands of
 # microbatches, whose tables take seconds each to build (1,536 on 64 stages: 9 s).
-BUILT_PER_STAGE = 8
+BUILT_PER_STAGE = 5  # from 3 and 4 a stage (zb_h2 is not yet steady from 2 and 3)
 
 
 @functools.cache
 def table_counts(name: str, stages: int, microbatches: int, chunks: int = 1) -> TableCounts:
   """`counted` of meshtrain's table for the schedule: of the table itself up
   to BUILT_PER_STAGE x `stages` microbatches, else on the line through two
-  built tables whose counts, 6 and 7 times `stages` and more, leave the same
+  built tables whose counts, 3 and 4 times `stages` and more, leave the same
   remainder by `stages`."""
   if microbatches <= BUILT_PER_STAGE * stages:
     return counted(schedules.build(name, stages, microbatches, chunks))

@@ -91,6 +91,8 @@ TORCHTITAN = "pytorch/torchtitan docs/performance.md"
 BLOOM = ("Le Scao et al. 2022, BLOOM; bigscience-workshop/bigscience "
          "train/tr11-176B-ml/README.md and tr11-176B-ml.slurm")
 OPT = "Zhang et al. 2022, OPT, Section 2.4 and Table 1; facebookresearch/metaseq"
+MT_NLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, "
+          "Section 3 (system throughput)")
 
 RUNS = (
     Run("Llama 3 405B, 8,192 GPUs", LLAMA3, "h100", 8192, _llama3(), 8192, 2048,
@@ -166,6 +168,16 @@ RUNS = (
     # be 63% of peak in hardware FLOPs, above every Megatron-LM run of 2021.
     Run("OPT-175B", OPT, "a100_80gb", 992, _gpt(96, 12_288, 96, vocab=50_272), 2048, 992,
         dict(fsdp=124, tensor=8), 147, True, remat="full", tensor_sequence_parallel=False),
+    # MT-NLG 530B on Megatron-DeepSpeed: Megatron-LM 2021's 529.6B shape (105
+    # layers, width 20,480, 128 heads; a calibration row) with its layout
+    # (tensor 8 x pipeline 35, 3 layers a stage), on 280 DGX A100 nodes (data
+    # 8), 1,920 sequences of 2,048 a step (its batch after the ramp), every
+    # layer recomputed, 126 TFLOP/s per GPU counted with the recomputation (60.1
+    # s a step by Megatron-LM's formula). Also 121 on 350 nodes and 113 on 420
+    # (docs/planner.md).
+    Run("MT-NLG 530B, 280 nodes", MT_NLG, "a100_80gb", 2240, _gpt(128, 20480, 105), 2048, 1920,
+        dict(data=8, pipeline=35, tensor=8), 126, True, remat="full",
+        tensor_sequence_parallel=False),
 )
 
 # Clusters of published runs that no preset of `meshtrain.analysis.clusters`

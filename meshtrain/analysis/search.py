@@ -99,20 +99,25 @@ class Candidate:
     return dict(self.mesh)
 
   def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    cfg = base.to_dict()  # changed as a dict: a ConfigDict checks every field it sets, slowly
-    cfg["mesh"].update(self.sizes)
+    """`base` with this candidate's settings. Only the sections a candidate
+    changes (mesh, pipeline, attention) are copied; the others (model, data,
+    ...) are `base`'s own: read them, never set them."""
+    cfg = ml_collections.ConfigDict(base)  # a ConfigDict copied from one shares its sections
+    for section in ("mesh", "pipeline", "attention"):
+      cfg[section] = ml_collections.ConfigDict(base[section])
+    cfg.mesh.update(self.sizes)
     cfg.update(zero_stage=self.zero_stage, remat=self.remat,
                grad_accum_steps=self.grad_accum_steps,
                tensor_sequence_parallel=self.tensor_sequence_parallel)
-    cfg["pipeline"]["stage_layers"] = self.stage_layers
+    cfg.pipeline.stage_layers = self.stage_layers
     if self.expert_parallel is not None:
-      cfg["expert_parallel"] = self.expert_parallel
+      cfg.expert_parallel = self.expert_parallel
     if self.sequence_strategy is not None:
-      cfg["attention"]["sequence_strategy"] = self.sequence_strategy
+      cfg.attention.sequence_strategy = self.sequence_strategy
     if self.sizes["pipeline"] > 1:
-      cfg["pipeline"].update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-                             schedule=self.schedule)
-    return ml_collections.ConfigDict(cfg)
+      cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+                          schedule=self.schedule)
+    return cfg
 
   def flags(self, across_hosts: list[str]) -> str:
     """The `--config.*` overrides that run this candidate."""
@@ -523,8 +528,9 @@ def microbatch_counts(rows: int, stages: int) -> list[int]:
   """Pipeline microbatch counts to try for `rows` sequences per replica:
   every count from p stages up that divides the rows, one sequence per
   microbatch included (`candidates` keeps interleaving to the multiples of
-  p, as meshtrain's validation does). Past 8p the planner reads the
-  schedule's table off a line (`costs.table_counts`) instead of building it."""
+  p, as meshtrain's validation does). Past `costs.BUILT_PER_STAGE` x p the
+  planner reads the schedule's table off a line (`costs.table_counts`)
+  instead of building it."""
   return [n for n in _divisors(rows) if n >= stages]
 
 

@@ -135,9 +135,12 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
         continue
       kind, mb, v = orders[stage][position[stage]]
       c = v * num_stages + stage
-      needs = {F: [(F, mb, c - 1)] if c > 0 else [],
-               B: [(F, mb, c)] + ([(B, mb, c + 1)] if c < last else []),
-               W: [(B, mb, c)]}[kind]
+      if kind == F:
+        needs = ((F, mb, c - 1),) if c > 0 else ()
+      elif kind == B:
+        needs = ((F, mb, c), (B, mb, c + 1)) if c < last else ((F, mb, c),)
+      else:
+        needs = ((B, mb, c),)
       if all(done.get(need, (tick,))[0] < tick for need in needs):
         row[stage] = (kind, mb, v)
         position[stage] += 1
