@@ -96,6 +96,50 @@ def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
       stderr[-3000:]
 
 
+# A process of a job that only joins it and waits (JAX's heartbeats, no watchdog).
+_JOIN = """
+import sys, time
+from ml_collections import ConfigDict
+from meshtrain import distributed
+distributed.initialize(ConfigDict(dict(num_processes=2, process_id=int(sys.argv[1]),
+                                       coordinator_address=sys.argv[2], timeout_s=int(sys.argv[3]))))
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_jax_notices_a_dead_peer_well_after_the_watchdog_would():
+  """JAX's fatal-error dump is the backstop: a survivor that only JAX watches
+  dies of it no sooner than twice `timeout_s` after its peer, where the
+  watchdog stops it after `timeout_s` and a heartbeat. Four jobs, their peers
+  killed a quarter of JAX's heartbeat period (half its timeout) apart."""
+  timeout_s, jobs = 2, []
+  for _ in range(4):
+    port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "
+                           "print(free_port())"], capture_output=True, text=True).stdout.strip()
+    jobs.append([subprocess.Popen(
+        [sys.executable, "-c", _JOIN, str(i), f"127.0.0.1:{port}", str(timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)])
+  for processes in jobs:
+    assert all(p.stdout.readline().strip() == "joined" for p in processes)
+  period_s = distributed.JAX_HEARTBEAT_FACTOR * timeout_s / 2
+  killed_at = []
+  for processes in jobs:
+    processes[1].kill()
+    killed_at.append(time.monotonic())
+    time.sleep(period_s / len(jobs))
+  lived_s = [None] * len(jobs)
+  while None in lived_s and time.monotonic() - killed_at[0] < 60:
+    for j, (survivor, _) in enumerate(jobs):
+      if lived_s[j] is None and survivor.poll() is not None:
+        lived_s[j] = time.monotonic() - killed_at[j]
+    time.sleep(0.05)
+  for survivor, _ in jobs:
+    survivor.kill()
+    assert "another task died" in survivor.communicate()[1]
+  assert min(lived_s) >= 1.5 * timeout_s, lived_s
+
 def test_processes_split_over_the_axes_named_across_hosts():
   sizes = {"data": 2, "pipeline": 4, "fsdp": 4, "sequence": 1, "tensor": 1}
   assert host_split(sizes, ["data"], 2)["data"] == 2

@@ -17,9 +17,9 @@ typically stuck in a collective that will never finish.
 
 Either way the process prints one line, `error: distributed: ...; newest
 complete checkpoint: STEP`, and leaves with `os._exit(EXIT_CODE)`. JAX notices a
-lost peer as well (its service's heartbeats, set to twice `timeout_s` by
-`meshtrain.distributed`), but it ends the process from a C++ thread with a
-fatal-error dump; the Python callback it takes instead cannot be called in
+lost peer as well (its service's heartbeats, which `meshtrain.distributed` sets
+to notice a death no sooner than twice `timeout_s` after it), but it ends the
+process from a C++ thread with a fatal-error dump; the Python callback it takes instead cannot be called in
 jaxlib 0.10 (its status argument has no Python type: std::bad_cast), so the
 watchdog notices first and JAX's detection stays the backstop.
 
