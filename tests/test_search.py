@@ -68,12 +68,14 @@ def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
 
 def test_a_candidates_config_is_what_its_command_line_makes_of_the_base():
   """`Candidate.config` (which shares the sections it leaves alone with the
-  base) equals config_flags' reading of the candidate's `--config.*` flags,
-  and making it leaves the base as it was."""
+  base) and `Candidate.view` (what the search reads) equal config_flags'
+  reading of the candidate's `--config.*` flags, and making them leaves the
+  base and its view as they were."""
   path = REPO / "configs" / "mixtral_8x7b.py"
   cfg = load(path)
   before = cfg.to_dict()
   model = search.StepModel(cfg, clusters.PRESETS["h100"])
+  assert model.view.to_dict() == before
   tried = list(search.candidates(model, 64))[::89]
   assert {c.sizes["pipeline"] > 1 for c in tried} == {True, False}
   assert len({c.expert_parallel for c in tried}) > 1
@@ -82,7 +84,10 @@ def test_a_candidates_config_is_what_its_command_line_makes_of_the_base():
     config_flags.DEFINE_config_file("config", str(path), flag_values=values, sys_argv=argv)
     values(argv)
     assert c.config(cfg).to_dict() == values.config.to_dict(), c
-  assert cfg.to_dict() == before
+    view = c.view(model.view)
+    assert view.to_dict() == values.config.to_dict(), c
+    assert view.mesh["tensor"] == view.get("mesh").tensor and "pipeline" in view, c
+  assert cfg.to_dict() == model.view.to_dict() == before
 
 
 def test_the_search_tries_each_sequence_strategy_meshtrain_runs():

@@ -70,8 +70,14 @@ def _expert_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
                    for a in jax.tree.leaves(part))
 
 
+@functools.lru_cache(maxsize=4096)  # meshes are interned: one entry each
+def _sizes(mesh) -> dict[str, int]:
+  """`mesh.shape`, made once (jax makes a new dict at every read of it)."""
+  return dict(mesh.shape)
+
+
 def _prod(axes, mesh) -> int:
-  return math.prod(mesh.shape[a] for a in axes)
+  return math.prod(_sizes(mesh)[a] for a in axes)
 
 
 def _label(axes) -> str:
@@ -110,13 +116,14 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
-  batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
+  sizes = _sizes(mesh)
+  batch_axes = {a for a in BATCH_AXES if sizes[a] > 1}
   # Gradients are summed over every axis that splits the tokens (with sequence
   # parallelism `tensor` too, for the weights it does not split: norm scales).
-  token_axes = batch_axes | {a for a in ("sequence", "tensor") if mesh.shape[a] > 1 and (
+  token_axes = batch_axes | {a for a in ("sequence", "tensor") if sizes[a] > 1 and (
       a == "sequence" or cfg.tensor_sequence_parallel)}
   per_replica = accum > 1 and "data" in batch_axes
-  pipelined = mesh.shape["pipeline"] > 1
+  pipelined = sizes["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
 
   m = cfg.model
@@ -215,11 +222,12 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   """
   m = cfg.model
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
-  stages, t = mesh.shape["pipeline"], mesh.shape["tensor"]
+  sizes = _sizes(mesh)
+  stages, t = sizes["pipeline"], sizes["tensor"]
   microbatches = cfg.pipeline.microbatches if stages > 1 else 1
   rows = cfg.global_batch // cfg.grad_accum_steps // microbatches // _prod(
-      [a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
-  s = cfg.seq_len // mesh.shape["sequence"]
+      [a for a in BATCH_AXES if sizes[a] > 1], mesh)
+  s = cfg.seq_len // sizes["sequence"]
   activation = act_bytes * rows * s * m.embed_dim
   passes = cfg.grad_accum_steps * microbatches
   forwards = 1 + (cfg.remat == "full")  # a pipeline's B recomputes nothing
@@ -234,7 +242,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
              2 * (forwards + 1) * layer_passes + 2 * passes)
   if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
     comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
-  if mesh.shape["sequence"] > 1:
+  if sizes["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
     # The routed layers the busiest stage runs, round by round (`stage_layers`).
@@ -252,7 +260,8 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
                         layer_passes: int, passes: int) -> None:
   """K/V traffic of context-parallel attention (`meshtrain.parallel.sequence`),
   per forward and backward of every layer. Sizes are one device's blocks."""
-  m, n, t = cfg.model, mesh.shape["sequence"], mesh.shape["tensor"]
+  m, sizes = cfg.model, _sizes(mesh)
+  n, t = sizes["sequence"], sizes["tensor"]
   act_bytes, tokens = jnp.dtype(cfg.compute_dtype).itemsize, rows * cfg.seq_len // n
   token_bytes = act_bytes * tokens * m.head_dim
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
@@ -286,7 +295,7 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   [n, E_local] counts (each forward), and under `tensor` the experts' partial
   outputs summed forward and their input gradients summed backward."""
   moe, m = cfg.model.moe, cfg.model
-  axes = [a for a in cfg.expert_parallel.split(",") if a and mesh.shape[a] > 1]
+  axes = [a for a in cfg.expert_parallel.split(",") if a and _sizes(mesh)[a] > 1]
   n = _prod(axes, mesh)
   local = moe.num_experts // n
   capacity = experts.expert_capacity(rows * length, rows, moe.experts_per_token, local,
@@ -386,7 +395,7 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
   model_cfg = traced_model(cfg, layers, remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
-  flash = attention_kernel(cfg) == "cudnn" and mesh.shape["sequence"] == 1
+  flash = attention_kernel(cfg) == "cudnn" and _sizes(mesh)["sequence"] == 1
   spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
@@ -421,7 +430,7 @@ def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,
 def _microbatch_rows(cfg, mesh) -> int:
   """Sequences (over all devices) that one forward and backward runs on."""
   rows = cfg.global_batch // cfg.grad_accum_steps
-  return rows // cfg.pipeline.microbatches if mesh.shape["pipeline"] > 1 else rows
+  return rows // cfg.pipeline.microbatches if _sizes(mesh)["pipeline"] > 1 else rows
 
 
 def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -> int:
@@ -431,7 +440,7 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
   a chunk's inputs, of its layers' residuals and of the head's, for one
   microbatch each.
   """
-  m, stages = cfg.model, mesh.shape["pipeline"]
+  m, stages = cfg.model, _sizes(mesh)["pipeline"]
   rows, layers = _microbatch_rows(cfg, mesh), m.num_layers
   inputs, residual_slots, head_slots = 0, 1, 1
   if stages > 1:
@@ -439,8 +448,8 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
     input_slots, residual_slots, head_slots = pipeline_slots(cfg, stages, p.microbatches,
                                                              p.virtual_stages)
     layers = stage_layers(cfg)[1]
-    per_device_rows = rows // _prod([a for a in BATCH_AXES if mesh.shape[a] > 1], mesh)
-    length = cfg.seq_len // (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
+    per_device_rows = rows // _prod([a for a in BATCH_AXES if _sizes(mesh)[a] > 1], mesh)
+    length = cfg.seq_len // (_sizes(mesh)["tensor"] if cfg.tensor_sequence_parallel else 1)
     inputs = (input_slots * per_device_rows * length * m.embed_dim
               * jnp.dtype(cfg.compute_dtype).itemsize)
   per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)

@@ -38,11 +38,13 @@ and two layers of gathered weights where the batch axes split them (the
 layer running and the one prefetched).
 """
 
+import collections
 import dataclasses
 import functools
 import itertools
 import math
 import shlex
+import types
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +65,36 @@ from meshtrain.train.parallelize import llama_spec, model_config, slots
 
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
+SECTIONS = ("mesh", "pipeline", "attention")  # the config's sections a candidate sets
+
+
+class ConfigView(types.SimpleNamespace):
+  """A ConfigDict's values as plain attributes and its sections as views:
+  read as a ConfigDict is (`cfg.a`, `cfg["a"]`, `get`, `in`, `to_dict`) at a
+  plain attribute's cost (a ConfigDict read goes through three methods, a
+  copy through `dir()` for every field), for what the search reads hundreds
+  of times a candidate. Values are shared with the ConfigDict: set none of
+  them in place; `replace` makes a view with others."""
+
+  @classmethod
+  def of(cls, cfg: ml_collections.ConfigDict) -> "ConfigView":
+    return cls(**{k: cls.of(v) if isinstance(v, ml_collections.ConfigDict) else v
+                  for k, v in cfg.items()})
+
+  def __getitem__(self, key: str):
+    return getattr(self, key)
+
+  def __contains__(self, key: str) -> bool:
+    return key in vars(self)
+
+  def get(self, key: str, default=None):
+    return getattr(self, key, default)
+
+  def to_dict(self) -> dict:
+    return {k: v.to_dict() if isinstance(v, ConfigView) else v for k, v in vars(self).items()}
+
+  def replace(self, **changes) -> "ConfigView":
+    return ConfigView(**{**vars(self), **changes})
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,26 +130,37 @@ class Candidate:
   def sizes(self) -> dict[str, int]:
     return dict(self.mesh)
 
-  def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """`base` with this candidate's settings. Only the sections a candidate
-    changes (mesh, pipeline, attention) are copied; the others (model, data,
-    ...) are `base`'s own: read them, never set them."""
-    cfg = ml_collections.ConfigDict(base)  # a ConfigDict copied from one shares its sections
-    for section in ("mesh", "pipeline", "attention"):
-      cfg[section] = ml_collections.ConfigDict(base[section])
-    cfg.mesh.update(self.sizes)
-    cfg.update(zero_stage=self.zero_stage, remat=self.remat,
+  def settings(self) -> dict[str, dict]:
+    """What this candidate sets, by section of the config ("" the top level)."""
+    top = dict(zero_stage=self.zero_stage, remat=self.remat,
                grad_accum_steps=self.grad_accum_steps,
                tensor_sequence_parallel=self.tensor_sequence_parallel)
-    cfg.pipeline.stage_layers = self.stage_layers
     if self.expert_parallel is not None:
-      cfg.expert_parallel = self.expert_parallel
-    if self.sequence_strategy is not None:
-      cfg.attention.sequence_strategy = self.sequence_strategy
+      top["expert_parallel"] = self.expert_parallel
+    pipeline = dict(stage_layers=self.stage_layers)
     if self.sizes["pipeline"] > 1:
-      cfg.pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
-                          schedule=self.schedule)
+      pipeline.update(microbatches=self.microbatches, virtual_stages=self.virtual_stages,
+                      schedule=self.schedule)
+    attention = ({} if self.sequence_strategy is None
+                 else dict(sequence_strategy=self.sequence_strategy))
+    return {"": top, "mesh": self.sizes, "pipeline": pipeline, "attention": attention}
+
+  def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`base` with this candidate's `settings`. Only the sections a candidate
+    changes (mesh, pipeline, attention) are copied; the others (model, data,
+    ...) are `base`'s own: read them, never set them."""
+    settings = self.settings()
+    cfg = ml_collections.ConfigDict(base)  # a ConfigDict copied from one shares its sections
+    for section in SECTIONS:
+      cfg[section] = ml_collections.ConfigDict(base[section])
+      cfg[section].update(settings[section])
+    cfg.update(settings[""])
     return cfg
+
+  def view(self, base: "ConfigView") -> "ConfigView":
+    """`config` as a `ConfigView` of a view of the base: what the search reads."""
+    settings = self.settings()
+    return base.replace(**settings[""], **{s: base[s].replace(**settings[s]) for s in SECTIONS})
 
   def flags(self, across_hosts: list[str]) -> str:
     """The `--config.*` overrides that run this candidate."""
@@ -167,9 +210,10 @@ class _ActivationModel:
 
   @functools.cache
   def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool):
-    """(bytes, splitting axes, per sequence?, stacked over layers?) of each
-    residual of a TRACED_LAYERS-layer model on TRACED_ROWS sequences, on a mesh
-    of 2s (`sequence` 2 with context-parallel `strategy`, 1 without one)."""
+    """The residuals of a TRACED_LAYERS-layer model on TRACED_ROWS sequences,
+    on a mesh of 2s (`sequence` 2 with context-parallel `strategy`, 1 without
+    one), summed by how they scale: (bytes, split over data?, tensor?,
+    sequence?, per sequence?, stacked over layers?, attention scores?)."""
     sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if strategy else 1}
     mesh = _abstract_mesh(sizes)
     rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
@@ -181,13 +225,15 @@ class _ActivationModel:
              for k in ("inputs", "targets")}
     saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
                                       spec.names, batch, mesh, rules)
-    out = []
+    groups = collections.Counter()
     for x in saved:
       axes = {a for split in x.spec for a in split}
       stacked = x.shape[0] == TRACED_LAYERS and not x.spec[0]
       scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
-      out.append((x.bytes, axes, "data" in axes or TRACED_ROWS in x.shape[:2], stacked, scores))
-    return out
+      per_row = "data" in axes or TRACED_ROWS in x.shape[:2]
+      groups[(*(a in axes for a in ("data", "tensor", "sequence")), per_row, stacked,
+              scores)] += x.bytes
+    return [(nbytes, *kind) for kind, nbytes in groups.items()]
 
   def bytes(self, sizes: dict, remat: str, rows: float, layers: int,
             strategy: str | None = None) -> tuple[float, float]:
@@ -198,14 +244,14 @@ class _ActivationModel:
     replicas = sizes["data"] * sizes["fsdp"]
     totals = [0.0, 0.0]
     strategy = (strategy or self.cfg.attention.sequence_strategy) if s > 1 else None
-    for nbytes, axes, per_row, stacked, scores in self._traced(
+    for nbytes, data, tensor, seq, per_row, stacked, scores in self._traced(
         remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0):
       if scores and self.flash:  # whole-length scores: a flash kernel keeps none
         continue
       nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
           layers / TRACED_LAYERS if stacked else 1)
-      totals[not stacked] += nbytes / (replicas if "data" in axes else 1) / (
-          t if "tensor" in axes else 1) / (s if "sequence" in axes else 1)
+      totals[not stacked] += nbytes / (replicas if data else 1) / (t if tensor else 1) / (
+          s if seq else 1)
     return totals[0], totals[1]
 
 
@@ -239,6 +285,7 @@ class StepModel:
   def __init__(self, cfg, cluster: Cluster, efficiency: float = calibration.KERNEL_EFFICIENCY,
                elementwise: float = calibration.ELEMENTWISE_PASSES):
     self.cfg, self.cluster = cfg, cluster
+    self.view = ConfigView.of(cfg)
     self.efficiency, self.elementwise = efficiency, elementwise
     self.model_cfg = model_config(cfg)
     self.spec = llama_spec(self.model_cfg)
@@ -453,7 +500,7 @@ class StepModel:
     return {"data (before the ticks)": gather, "data+sequence (after the ticks)": reduction}
 
   def estimate(self, c: Candidate, cfg=None, report: dict | None = None) -> Estimate:
-    cfg = cfg or c.config(self.cfg)
+    cfg = cfg or c.view(self.view)
     report = report or self.analytic(cfg, c)
     cluster, sizes = self.cluster, c.sizes
     devices = math.prod(sizes.values())
@@ -631,7 +678,7 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
   model = StepModel(cfg, cluster, efficiency, elementwise)
   best = []
   for c in candidates(model, devices):
-    cfg_c = c.config(cfg)
+    cfg_c = c.view(model.view)
     if meshtrain_runs(cfg, c, cfg_c):
       continue
     report = model.analytic(cfg_c, c)
