@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, micro_config, micro_flags
 from meshtrain import distributed
 from meshtrain.errors import ConfigError
+from meshtrain.launch import free_port
 from meshtrain.mesh import host_split
 from meshtrain.train.loop import train
 
@@ -68,8 +69,7 @@ PEER_LOST = ("another task died", "tasks have crashed", "crashed unexpectedly",
 @pytest.mark.slow
 def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
   timeout_s = 10
-  port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "
-                         "print(free_port())"], capture_output=True, text=True).stdout.strip()
+  port = free_port()
   processes = [subprocess.Popen(
       [sys.executable, "-m", "meshtrain.cli", "train", f"--config.workdir={tmp_path}",
        *micro_flags(**{**CHANGES, "steps": 10_000}), "--config.simulate_devices=4",
@@ -116,8 +116,7 @@ def test_jax_notices_a_dead_peer_well_after_the_watchdog_would():
   killed a quarter of JAX's heartbeat period (half its timeout) apart."""
   timeout_s, jobs = 2, []
   for _ in range(4):
-    port = subprocess.run([sys.executable, "-c", "from meshtrain.launch import free_port; "
-                           "print(free_port())"], capture_output=True, text=True).stdout.strip()
+    port = free_port()
     jobs.append([subprocess.Popen(
         [sys.executable, "-c", _JOIN, str(i), f"127.0.0.1:{port}", str(timeout_s)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)])
@@ -139,6 +138,7 @@ def test_jax_notices_a_dead_peer_well_after_the_watchdog_would():
     survivor.kill()
     assert "another task died" in survivor.communicate()[1]
   assert min(lived_s) >= 1.5 * timeout_s, lived_s
+
 
 def test_processes_split_over_the_axes_named_across_hosts():
   sizes = {"data": 2, "pipeline": 4, "fsdp": 4, "sequence": 1, "tensor": 1}

@@ -43,6 +43,14 @@ PRESETS = {
     # and 8 HDR 200 Gb/s NICs (25 GB/s per GPU).
     "a100_80gb": Cluster("a100_80gb", 312e12, 80 * GB, 300 * GB, 25 * GB, 8,
                          memory_bandwidth=2039 * GB),
+    # NVIDIA H800 SXM5 (the H100 for export to China: the same compute and
+    # HBM3, NVLink cut to 400 GB/s bidirectional); DeepSeek-V3's nodes (Liu et
+    # al. 2024, Section 3.2): 8 GPUs and 8 InfiniBand 400 Gb/s NICs.
+    "h800": Cluster("h800", 989e12, 80 * GB, 200 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB),
+    # NVIDIA A100 datasheet, 40 GB SXM: 312 TFLOP/s, 1,555 GB/s HBM2; DGX A100
+    # 40GB with 8 HDR 200 Gb/s NICs.
+    "a100_40gb": Cluster("a100_40gb", 312e12, 40 * GB, 300 * GB, 25 * GB, 8,
+                         memory_bandwidth=1555 * GB),
     # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense training over 8 GPUs, so
     # 4.5 FP8 and 2.25 PFLOP/s dense BF16 per GPU; 1,440 GB HBM3e (180 GB per
     # GPU); NVLink 5 1.8 TB/s bidirectional; 8 ConnectX-7 400 Gb/s NICs.

@@ -22,6 +22,10 @@
   a tick, so this is the bubble it runs (zero-bubble schedules included).
 - `lockstep_seconds`: the same table with each op at its own cost (uneven
   stages, the head on the last one): a tick lasts as long as its longest op.
+- `fused_backward_seconds`: a pipeline as published software runs 1F1B
+  and interleaved 1F1B (Megatron-LM, DeepSpeed), its backward computing
+  input and weight gradients in one op: the busiest stage's work, and the
+  fill and drain through the other stages (Narayanan et al. 2021).
 - `table_counts`: what these read from a table, past 8 microbatches a stage
   on a line through two smaller tables instead of the table itself.
 """
@@ -201,3 +205,17 @@ def lockstep_seconds(name: str, microbatches: int, work_VxP: np.ndarray) -> floa
                 for row, ticks in table_counts(name, stages, microbatches, chunks
                                                ).ticks_by_chunks.items())
   return float(longest) / (3 * microbatches)
+
+
+def fused_backward_seconds(microbatches: int, work_VxP: np.ndarray) -> float:
+  """Seconds a pipeline's step takes whose backward computes a microbatch's
+  input and weight gradients in one op (1F1B and interleaved 1F1B as
+  Megatron-LM, DeepSpeed and Meta run them; meshtrain's tables split the
+  two, so its own 1F1B idles less): the busiest stage's work a step, and
+  the fill and the drain, which take every microbatch's forward and
+  backward once through each other stage, a chunk of `chunks` at a time:
+  with p stages of equal work w, w (1 + (p - 1) / (chunks x microbatches)),
+  Narayanan et al. 2021, Section 2.2. work_VxP as `lockstep_seconds` takes it."""
+  chunks, _ = work_VxP.shape
+  stage_s = work_VxP.sum(axis=0)
+  return float(stage_s.max() + (stage_s.sum() - stage_s.max()) / (chunks * microbatches))

@@ -35,6 +35,15 @@ class Run:
   # 2022): not in Megatron-LM's 2021 runs, nor in BLOOM's and OPT's
   # Megatron-based stacks of the time.
   tensor_sequence_parallel: bool = True
+  # The pipeline schedules the run's software had, priced as it runs them
+  # (`search.as_published`: 1F1B and interleaved 1F1B with the backward in
+  # one op), and its microbatches a step (0: not published; the fastest count).
+  schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+  microbatches: int = 0
+  # Its context-parallel strategy under `sequence` (None: the fastest meshtrain
+  # runs), priced with a flash kernel on the local queries, as published
+  # software runs it (`search.Candidate.flash_context`).
+  sequence_strategy: str | None = None
 
   def config(self):
     c = config_lib.get_config()
@@ -94,14 +103,41 @@ OPT = "Zhang et al. 2022, OPT, Section 2.4 and Table 1; facebookresearch/metaseq
 MT_NLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B, "
           "Section 3 (system throughput)")
 
+# MT-NLG 530B on Megatron-DeepSpeed (Smith et al. 2022, Section 3): Megatron-LM
+# 2021's 529.6B shape (105 layers, width 20,480, 128 heads; a calibration row)
+# with its layout, tensor 8 x pipeline 35 (3 layers a stage) a replica, 1,920
+# sequences of 2,048 a step (its batch after the ramp), every layer
+# recomputed, TFLOP/s per GPU counted with the recomputation, on 280, 350 and
+# 420 DGX A100 nodes (8, 10 and 12 replicas).
+MT_NLG_TFLOPS = {280: 126, 350: 121, 420: 113}
+# DeepSpeed's pipeline engine runs 1F1B only (its TrainSchedule). The paper
+# does not state the microbatch; its three step times (60.1, 50.2 and 44.4 s)
+# lie on a line in the sequences a replica whose intercept is the 1F1B
+# bubble of 34 microbatches of 2 sequences, not of 1 (docs/planner.md;
+# tests/test_search.py checks it): microbatches of 2, as BLOOM ran on the
+# same software.
+MT_NLG_SEQUENCES_A_MICROBATCH = 2
+
+
+def _mt_nlg(nodes: int, tflops: float) -> "Run":
+  data = nodes // 35
+  return Run(f"MT-NLG 530B, {nodes} nodes", MT_NLG, "a100_80gb", nodes * 8,
+             _gpt(128, 20480, 105), 2048, 1920, dict(data=data, pipeline=35, tensor=8), tflops,
+             True, remat="full", tensor_sequence_parallel=False, schedules=("1f1b",),
+             microbatches=1920 // data // MT_NLG_SEQUENCES_A_MICROBATCH)
+
+
 RUNS = (
     Run("Llama 3 405B, 8,192 GPUs", LLAMA3, "h100", 8192, _llama3(), 8192, 2048,
         dict(data=64, pipeline=16, tensor=8), 430, False, stage_layers=LLAMA3_STAGES),
     Run("Llama 3 405B, 16,384 GPUs", LLAMA3, "h100", 16384, _llama3(), 8192, 2048,
         dict(data=128, pipeline=16, tensor=8), 400, False, stage_layers=LLAMA3_STAGES),
+    # Dubey et al. 2024, Section 3.3.2: context parallelism by all-gathering
+    # the keys and values, each rank's queries in two chunks for the causal
+    # mask's balance.
     Run("Llama 3 405B, 16,384 GPUs, 131K context", LLAMA3, "h100", 16384, _llama3(), 131_072,
         128, dict(data=8, pipeline=16, sequence=16, tensor=8), 380, False,
-        stage_layers=LLAMA3_STAGES),
+        stage_layers=LLAMA3_STAGES, sequence_strategy="all_gather_kv"),
     Run("Megatron-LM GPT 1.7B", MEGATRON, "a100_80gb", 32, _gpt(24, 2304, 24), 2048, 512,
         dict(data=32), 137, True, remat="full", tensor_sequence_parallel=False),
     Run("Megatron-LM GPT 18.4B", MEGATRON, "a100_80gb", 256, _gpt(48, 6144, 40), 2048, 1024,
@@ -148,7 +184,8 @@ RUNS = (
     # nodes of Jean Zay (`CLUSTERS`) as tensor 4 x pipeline 12 x data 8
     # (ZeRO-1, which its bf16 optimizer implements), 70 layers, width
     # 14,336, 112 heads, a GeLU MLP of 4h, the vocabulary padded to 250,880,
-    # 2,048-token sequences, 2,048 a step in microbatches of 2; full recomputation
+    # 2,048-token sequences, 2,048 a step in microbatches of 2 (DeepSpeed's
+    # 1F1B, the only schedule of its pipeline engine); full recomputation
     # (--checkpoint-activations). The stages as its README draws them
     # (--pp-partition-method 'type:transformer|embedding': the tied
     # embedding counts as a layer on the first and the last stage). About
@@ -156,7 +193,8 @@ RUNS = (
     # recomputation (the README's "hardware TFLOPs", Megatron's 4 x 2 factor).
     Run("BLOOM 176B", BLOOM, "jean_zay_a100", 384, _gpt(112, 14_336, 70, vocab=250_880), 2048,
         2048, dict(data=8, pipeline=12, tensor=4), 150, True, remat="full",
-        stage_layers=(fewer_at_the_ends(70, 12),), tensor_sequence_parallel=False),
+        stage_layers=(fewer_at_the_ends(70, 12),), tensor_sequence_parallel=False,
+        schedules=("1f1b",), microbatches=2048 // 8 // 2),
     # OPT-175B: 992 A100 80GB, Fully Sharded Data Parallel with Megatron-LM
     # tensor parallelism of 8 (so FSDP over 124), 96 layers, width 12,288, 96
     # heads, a ReLU MLP of 4h, GPT-2's BPE (50,272 in the model), 2,048-token
@@ -168,16 +206,7 @@ RUNS = (
     # be 63% of peak in hardware FLOPs, above every Megatron-LM run of 2021.
     Run("OPT-175B", OPT, "a100_80gb", 992, _gpt(96, 12_288, 96, vocab=50_272), 2048, 992,
         dict(fsdp=124, tensor=8), 147, True, remat="full", tensor_sequence_parallel=False),
-    # MT-NLG 530B on Megatron-DeepSpeed: Megatron-LM 2021's 529.6B shape (105
-    # layers, width 20,480, 128 heads; a calibration row) with its layout
-    # (tensor 8 x pipeline 35, 3 layers a stage), on 280 DGX A100 nodes (data
-    # 8), 1,920 sequences of 2,048 a step (its batch after the ramp), every
-    # layer recomputed, 126 TFLOP/s per GPU counted with the recomputation (60.1
-    # s a step by Megatron-LM's formula). Also 121 on 350 nodes and 113 on 420
-    # (docs/planner.md).
-    Run("MT-NLG 530B, 280 nodes", MT_NLG, "a100_80gb", 2240, _gpt(128, 20480, 105), 2048, 1920,
-        dict(data=8, pipeline=35, tensor=8), 126, True, remat="full",
-        tensor_sequence_parallel=False),
+    *(_mt_nlg(nodes, tflops) for nodes, tflops in MT_NLG_TFLOPS.items()),
 )
 
 # Clusters of published runs that no preset of `meshtrain.analysis.clusters`

@@ -30,7 +30,9 @@ Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`)
   bubble    meshtrain's lock-step schedule table with every op at its
             chunk's cost, a tick as long as its longest op: the idle ticks
             and the waits for a busier stage; exposed traffic within the
-            ticks stretched by 1/(1 - the table's idle share).
+            ticks stretched by 1/(1 - the table's idle share). A published
+            run (`as_published`) is priced with its software's schedule
+            instead, the backward in one op (`costs.fused_backward_seconds`).
 
 Memory is `plan`'s: state from the rules, activations from the residuals the
 model saves (traced once per kind of layout and scaled: `_ActivationModel`),
@@ -125,6 +127,15 @@ class Candidate:
   # scatter/gather optimization still split its pipeline sends over `tensor`
   # as sequence parallelism does, so the collectives are priced as with it).
   replicated_norms: bool = False
+  # Pricing a published run only: its pipeline's backward computes input and
+  # weight gradients in one op (`costs.fused_backward_seconds`), as the
+  # software of published runs does in 1F1B and interleaved 1F1B.
+  fused_backward: bool = False
+  # Pricing a published run only: under `sequence` its attention runs a flash
+  # kernel on the local queries (Meta's all-gather context parallelism, whose
+  # query chunks balance the causal mask), where meshtrain's all_gather_kv
+  # runs XLA's masked attention.
+  flash_context: bool = False
 
   @property
   def sizes(self) -> dict[str, int]:
@@ -381,11 +392,12 @@ class StepModel:
     runs under `sequence` > 1 for all_gather_kv's local queries against every
     key and the ring's blocks ((n + 1) / 2n of those), and everywhere the
     cluster has no flash kernel; cuDNN's flash attention, over a whole length
-    (one device's, or ulysses' local heads), keeps its scores on chip (0)."""
+    (one device's, or ulysses' local heads), keeps its scores on chip (0), as
+    does a published run's context parallelism (`Candidate.flash_context`)."""
     sizes, m = c.sizes, cfg.model
     n = sizes["sequence"]
     whole_length = n == 1 or cfg.attention.sequence_strategy == "ulysses"
-    if whole_length and self.cluster.flash_attention:
+    if (whole_length or c.flash_context) and self.cluster.flash_attention:
       return 0.0
     ring = (n + 1) / (2 * n) if n > 1 and cfg.attention.sequence_strategy == "ring" else 1.0
     return rows * m.num_heads / sizes["tensor"] * cfg.seq_len / n * cfg.seq_len * ring
@@ -529,10 +541,14 @@ class StepModel:
                                                                        layer_slots)
     bubble = 0.0
     if sizes["pipeline"] > 1:  # idle ticks, and ticks that wait for a busier stage
-      share = costs.lockstep_bubble(c.schedule, sizes["pipeline"], c.microbatches,
-                                    c.virtual_stages)
-      bubble = (costs.lockstep_seconds(c.schedule, c.microbatches, work_VxP) - compute
-                + sum(exposed.values()) * share / (1 - share))
+      if c.fused_backward:
+        ticks = costs.fused_backward_seconds(c.microbatches, work_VxP)
+        share = 1 - compute / ticks
+      else:
+        share = costs.lockstep_bubble(c.schedule, sizes["pipeline"], c.microbatches,
+                                      c.virtual_stages)
+        ticks = costs.lockstep_seconds(c.schedule, c.microbatches, work_VxP)
+      bubble = ticks - compute + sum(exposed.values()) * share / (1 - share)
     exposed |= {k: v for k, v in once.items() if v > 0}
     step = compute + sum(exposed.values()) + bubble
     return Estimate(
@@ -706,32 +722,46 @@ def rank_of(results: list[Estimate], sizes: dict) -> tuple[int, int] | None:
   return 1 + len(faster), len(tied)
 
 
+# The schedules whose backward published software runs as one op (meshtrain's
+# tables split it; zero-bubble schedules split it everywhere).
+FUSED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 def as_published(model: StepModel, run, results: list[Estimate] | None = None) -> Estimate:
   """The prediction for a published run as it ran: its mesh, recomputation
   and stage layout (`run.stage_layers`, where it names some: then with as
-  many chunks a stage as one of them has), with the fastest schedule,
-  microbatches and ZeRO stage meshtrain runs on that mesh (of `results`
-  where the search kept some, else of every candidate on the mesh, fitting
-  or not; where meshtrain runs none, as the cost model prices them:
-  OPT-175B's FSDP over 124 devices does not divide its width as meshtrain
-  splits it)."""
+  many chunks a stage as one of them has), with the fastest of its
+  software's schedules (`run.schedules`; 1F1B and interleaved 1F1B priced
+  with the backward in one op, `costs.fused_backward_seconds`), its
+  microbatches where published (`run.microbatches`, else the fastest
+  count), and the fastest ZeRO stage meshtrain runs on that mesh (of
+  `results` where the search kept some, else of every candidate on the
+  mesh, fitting or not; where meshtrain runs none, as the cost model prices
+  them: OPT-175B's FSDP over 124 devices does not divide its width as
+  meshtrain splits it)."""
   sizes = {a: run.mesh.get(a, 1) for a in AXES}
   layouts = {text.count(",") + 1: text for text in run.stage_layers}  # by chunks in all
+  pipelined = sizes["pipeline"] > 1
 
   def on_mesh(c: Candidate) -> bool:
-    return c.sizes == sizes and (not layouts or c.virtual_stages * sizes["pipeline"] in layouts)
+    return c.sizes == sizes and run.sequence_strategy in (None, c.sequence_strategy) and (
+        not pipelined or (c.schedule in run.schedules and run.microbatches in (0, c.microbatches)
+                          and (not layouts or c.virtual_stages * sizes["pipeline"] in layouts)))
 
   def as_run(c: Candidate) -> Candidate:
     chunks = c.virtual_stages * sizes["pipeline"]
     return dataclasses.replace(c, remat=run.remat,
                                stage_layers=layouts.get(chunks, c.stage_layers),
-                               replicated_norms=not run.tensor_sequence_parallel)
+                               replicated_norms=not run.tensor_sequence_parallel,
+                               fused_backward=pipelined and c.schedule in FUSED_SCHEDULES,
+                               flash_context=True)
   kept = [e.candidate for e in results or () if on_mesh(e.candidate)]
   if not kept:
     every = [c for c in candidates(model, run.devices, only=sizes) if on_mesh(c)]
-    kept = [c for c in every if not meshtrain_runs(model.cfg, c)] or every
+    kept = [c for c in every if not meshtrain_runs(model.cfg, c, c.view(model.view))] or every
   if not kept:
-    raise ValueError(f"{run.name}: the planner has no layout on the mesh {sizes}")
+    raise ValueError(f"{run.name}: the planner has no layout on the mesh {sizes} with "
+                     f"{run.schedules} and {run.microbatches or 'any'} microbatches")
   return min((model.estimate(as_run(c)) for c in kept), key=lambda e: e.step_s)
 
 
