@@ -212,10 +212,11 @@ def fused_backward_seconds(microbatches: int, work_VxP: np.ndarray) -> float:
   input and weight gradients in one op (1F1B and interleaved 1F1B as
   Megatron-LM, DeepSpeed and Meta run them; meshtrain's tables split the
   two, so its own 1F1B idles less): the busiest stage's work a step, and
-  the fill and the drain, which take every microbatch's forward and
-  backward once through each other stage, a chunk of `chunks` at a time:
-  with p stages of equal work w, w (1 + (p - 1) / (chunks x microbatches)),
-  Narayanan et al. 2021, Section 2.2. work_VxP as `lockstep_seconds` takes it."""
+  the fill and the drain, which take a microbatch's forward and backward
+  once through each other stage, one of its V chunks (the rows of
+  work_VxP) at a time: with p stages of equal work w, w (1 + (p - 1) / (V x
+  microbatches)), Narayanan et al. 2021, Section 2.2. work_VxP as
+  `lockstep_seconds` takes it."""
   chunks, _ = work_VxP.shape
   stage_s = work_VxP.sum(axis=0)
   return float(stage_s.max() + (stage_s.sum() - stage_s.max()) / (chunks * microbatches))
