@@ -51,8 +51,8 @@ _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (def
                                 "config's simulate_devices, else the devices present)")
 _SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
                             "microbatches for --devices of --cluster, fastest first")
-_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset (h100, h200, h800, "
-                               "a100_80gb, a100_40gb, b200, tpu_v5p) or a JSON file with the "
+_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset "
+                               f"({', '.join(clusters.PRESETS)}) or a JSON file with the "
                                "same fields")
 _TOP = flags.DEFINE_integer("top", 5, "plan --search: how many configurations to print")
 _GLOBAL_BATCH = flags.DEFINE_integer("global_batch", None, "plan --search: sequences per step "

@@ -5,6 +5,7 @@ speed, its command line, and the published runs it must keep agreeing with
 import dataclasses
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -180,6 +181,18 @@ def test_calibration_and_validation_rows_never_meet():
   assert set(calibration.FITTED_ON) == {run.name for run in published.CALIBRATION}
   assert not set(calibration.FITTED_ON) & validation
   assert 0.2 < calibration.KERNEL_EFFICIENCY < 1 and calibration.ELEMENTWISE_PASSES >= 0
+
+
+def test_the_readme_names_every_cluster_preset_and_each_one_loads():
+  """The README's `--cluster` list is the presets `plan --search` knows, and
+  each name it gives loads, as the command line's `clusters.load` reads it."""
+  readme = " ".join((REPO / "README.md").read_text().split())
+  listed = readme.split("of a `--cluster` (", 1)[1].split(" or a JSON file", 1)[0]
+  names = re.findall(r"`(\w+)`", listed)
+  assert sorted(names) == sorted(clusters.PRESETS)
+  for name in names:
+    cluster = clusters.load(name)
+    assert cluster.name == name and cluster.peak_flops > 0 and cluster.hbm_bytes > 0
 
 
 def test_collectives_pay_latency_per_hop_and_bandwidth_below_line_rate():
