@@ -169,7 +169,8 @@ def counted(table: schedules.Schedule) -> TableCounts:
 # steady state repeats with each `stages` microbatches more, adding the same
 # ticks, idle cells, sends and slots (tests/test_search.py checks the line
 # against built tables). One sequence per microbatch is thousands of
-# microbatches, whose tables take seconds each to build (1,536 on 64 stages: 9 s).
+# microbatches, whose tables take a second and more each to build (1,536 on 64
+# stages: 1.4 CPU s).
 BUILT_PER_STAGE = 5  # from 3 and 4 a stage (zb_h2 is not yet steady from 2 and 3)
 
 

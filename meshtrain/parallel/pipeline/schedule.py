@@ -123,33 +123,36 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   and the next chunk's B (a tick earlier); a W its B. Stages move in lock
   step, one op per tick.
   """
-  done: dict[Op, tuple[int, int]] = {}  # op -> (tick, stage)
+  done: dict[Op, int] = {}  # (kind, mb, global chunk) -> tick
   last = num_stages * num_chunks - 1
   position = [0] * num_stages
+  left = sum(map(len, orders))
   rows = []
-  while any(position[s] < len(orders[s]) for s in range(num_stages)):
+  while left:
     tick = len(rows)
     row = [(IDLE, -1, -1)] * num_stages
+    ran = []
     for stage in range(num_stages):
       if position[stage] == len(orders[stage]):
         continue
       kind, mb, v = orders[stage][position[stage]]
       c = v * num_stages + stage
       if kind == F:
-        needs = ((F, mb, c - 1),) if c > 0 else ()
+        ready = c == 0 or done.get((F, mb, c - 1), tick) < tick
       elif kind == B:
-        needs = ((F, mb, c), (B, mb, c + 1)) if c < last else ((F, mb, c),)
+        ready = done.get((F, mb, c), tick) < tick and (
+            c == last or done.get((B, mb, c + 1), tick) < tick)
       else:
-        needs = ((B, mb, c),)
-      if all(done.get(need, (tick,))[0] < tick for need in needs):
+        ready = done.get((B, mb, c), tick) < tick
+      if ready:
         row[stage] = (kind, mb, v)
         position[stage] += 1
-    for stage, (kind, mb, v) in enumerate(row):
-      if kind != IDLE:
-        done[kind, mb, v * num_stages + stage] = (tick, stage)
-    if all(kind == IDLE for kind, _, _ in row):
+        ran.append((kind, mb, c))
+    if not ran:
       raise ValueError(f"{name}: the op orders deadlock at tick {tick} "
                        f"(next ops {[o[p] if p < len(o) else None for o, p in zip(orders, position)]})")
+    done.update(dict.fromkeys(ran, tick))
+    left -= len(ran)
     rows.append(row)
   table = np.array(rows, np.int32).reshape(len(rows), num_stages, 3)
   return from_ops(name, num_stages, num_microbatches, num_chunks,
@@ -166,76 +169,126 @@ def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   """
   op, mb, chunk = (np.asarray(t, np.int32) for t in (op, mb, chunk))
   tables = {field: np.full(op.shape, -1, np.int32) for field in SLOT_FIELDS}
-  for buffer, uses in value_uses(num_stages, num_chunks, op, mb, chunk).items():
-    _assign_slots(uses, tables, op.shape[1])
+  for events in _value_events(num_stages, num_chunks, op, mb, chunk).values():
+    slot_of_value = _assign_slots(events, num_stages)
+    for index, column in enumerate(SLOT_FIELDS):
+      here = events.column == index
+      tables[column][events.tick[here], events.stage[here]] = slot_of_value[events.value[here]]
   return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables)
 
 
-_Uses = dict[tuple[int, int, int], list[tuple[str, int]]]
+# The values each op writes or reads: (op kind, buffer, the value's chunk
+# c + offset, column of SLOT_FIELDS, tick + offset, which chunks c: "any",
+# "last" (c = P V - 1), "not first" or "not last"; backward). A rule
+# marked with backward holds only where the table has B ops (a forward-only
+# table stashes nothing). In this order within a cell, the order a value is
+# first met in, which breaks ties between values that start at one tick.
+_EVENT_RULES = (
+    (F, "act", 0, "act_slot", 0, "not first", False),
+    (F, "act", 1, "act_recv_slot", 1, "not last", False),
+    (F, "res", 0, "res_slot", 0, "any", True),
+    (F, "head_res", 0, "head_res_slot", 0, "last", True),
+    (B, "res", 0, "res_slot", 0, "any", True),
+    (B, "cut", 0, "cut_slot", 0, "any", True),
+    (B, "grad", 0, "grad_slot", 0, "not last", True),
+    (B, "head_res", 0, "head_res_slot", 0, "last", True),
+    (B, "head_cut", 0, "head_cut_slot", 0, "last", True),
+    (B, "grad", -1, "grad_recv_slot", 1, "not first", True),
+    (W, "res", 0, "res_slot", 0, "any", True),
+    (W, "cut", 0, "cut_slot", 0, "any", True),
+    (W, "head_res", 0, "head_res_slot", 0, "last", True),
+    (W, "head_cut", 0, "head_cut_slot", 0, "last", True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Events:
+  """One buffer's reads and writes in the order a walk over the table
+  (tick by tick, stage by stage, `_EVENT_RULES` in a cell) meets them, as
+  int arrays: the stage, the value's microbatch and chunk v, the column
+  (index in SLOT_FIELDS), the tick, and `value`, which of the buffer's
+  values (numbered as first met)."""
+  stage: np.ndarray
+  mb: np.ndarray
+  chunk: np.ndarray
+  column: np.ndarray
+  tick: np.ndarray
+  value: np.ndarray
+
+
+def _value_events(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
+                  chunk: np.ndarray) -> dict[str, _Events]:
+  """buffer -> its `_Events`, read off the op tables by `_EVENT_RULES`."""
+  num_ticks, last = op.shape[0], num_stages * num_chunks - 1
+  cell_tick, cell_stage = np.nonzero(op != IDLE)  # tick-major, as the walk goes
+  kind, cell_mb = op[cell_tick, cell_stage], mb[cell_tick, cell_stage]
+  c = chunk[cell_tick, cell_stage] * num_stages + cell_stage
+  has_backward = bool((kind == B).any())
+  where = {"any": c >= 0, "last": c == last, "not first": c > 0, "not last": c < last}
+  parts = {buffer: [] for buffer in BUFFERS}
+  for rule, (rule_kind, buffer, c_offset, column, tick_offset, chunks, backward) in enumerate(
+      _EVENT_RULES):
+    if backward and not has_backward:
+      continue
+    tick = cell_tick + tick_offset
+    cells = np.nonzero((kind == rule_kind) & where[chunks] & (tick < num_ticks))[0]
+    parts[buffer].append(np.stack([
+        cells * len(_EVENT_RULES) + rule, c[cells] + c_offset, cell_mb[cells],
+        np.full(len(cells), SLOT_FIELDS.index(column)), tick[cells]]))
+  events = {}
+  for buffer, found in parts.items():
+    walk, value_c, value_mb, column, tick = np.concatenate([np.empty((5, 0), int), *found], 1)
+    if not walk.size:
+      continue
+    in_walk = np.argsort(walk, kind="stable")
+    value_c, value_mb, column, tick = (a[in_walk] for a in (value_c, value_mb, column, tick))
+    _, first, value = np.unique(value_c * (int(mb.max()) + 1) + value_mb, return_index=True,
+                                return_inverse=True)
+    as_met = np.argsort(np.argsort(first))
+    events[buffer] = _Events(value_c % num_stages, value_mb, value_c // num_stages, column,
+                             tick, as_met[value.ravel()])
+  return events
 
 
 def value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
-                chunk: np.ndarray) -> dict[str, _Uses]:
-  """buffer -> {(stage, mb, chunk): [(column, tick), ...]}."""
-  num_ticks = op.shape[0]
-  last = num_stages * num_chunks - 1
+               chunk: np.ndarray) -> dict[str, dict[tuple[int, int, int], list[tuple[str, int]]]]:
+  """buffer -> {(stage, mb, chunk): [(column, tick), ...]}: what
+  `from_ops` places, for `checks` to replay."""
   uses = {buffer: {} for buffer in BUFFERS}
-  forward_only = not (op == B).any()
-
-  def use(buffer: str, c: int, m: int, column: str, tick: int) -> None:
-    if 0 <= c <= last and tick < num_ticks:
-      uses[buffer].setdefault((c % num_stages, m, c // num_stages), []).append((column, tick))
-
-  ops, mbs, chunks = op.tolist(), mb.tolist(), chunk.tolist()  # Python ints: faster to read
-  for tick, stage in np.argwhere(op != IDLE).tolist():
-    kind, m = ops[tick][stage], mbs[tick][stage]
-    c = chunks[tick][stage] * num_stages + stage
-    if kind == F:
-      if c > 0:
-        use("act", c, m, "act_slot", tick)
-      if c < last:
-        use("act", c + 1, m, "act_recv_slot", tick + 1)
-      if not forward_only:
-        use("res", c, m, "res_slot", tick)
-        if c == last:
-          use("head_res", c, m, "head_res_slot", tick)
-    elif kind == B:
-      use("res", c, m, "res_slot", tick)
-      use("cut", c, m, "cut_slot", tick)
-      if c < last:
-        use("grad", c, m, "grad_slot", tick)
-      else:
-        use("head_res", c, m, "head_res_slot", tick)
-        use("head_cut", c, m, "head_cut_slot", tick)
-      if c > 0:
-        use("grad", c - 1, m, "grad_recv_slot", tick + 1)
-    else:
-      use("res", c, m, "res_slot", tick)
-      use("cut", c, m, "cut_slot", tick)
-      if c == last:
-        use("head_res", c, m, "head_res_slot", tick)
-        use("head_cut", c, m, "head_cut_slot", tick)
+  for buffer, e in _value_events(num_stages, num_chunks, np.asarray(op), np.asarray(mb),
+                                 np.asarray(chunk)).items():
+    for stage, mb_, v, column, tick in zip(*(a.tolist() for a in (
+        e.stage, e.mb, e.chunk, e.column, e.tick))):
+      uses[buffer].setdefault((stage, mb_, v), []).append((SLOT_FIELDS[column], tick))
   return uses
 
 
-def _assign_slots(uses: _Uses, tables: dict[str, np.ndarray], num_stages: int) -> None:
-  """Each value, by start tick, takes its stage's lowest slot whose value is
-  dead by then (`free`: ordered heaps; `busy`: (last tick, slot) heaps)."""
+def _assign_slots(events: _Events, num_stages: int) -> np.ndarray:
+  """The slot of each value: by start tick (ties: as first met), each takes
+  its stage's lowest slot whose value is dead by then (`free`: ordered
+  heaps; `busy`: (last tick, slot) heaps)."""
+  values = int(events.value.max()) + 1
+  start, end = np.full(values, np.iinfo(np.int64).max), np.full(values, -1)
+  np.minimum.at(start, events.value, events.tick)
+  np.maximum.at(end, events.value, events.tick)
+  stage = np.zeros(values, np.int64)
+  stage[events.value] = events.stage
   slots = [0] * num_stages  # slots each stage has opened
   free = [[] for _ in range(num_stages)]
   busy = [[] for _ in range(num_stages)]
-  by_start = sorted(((min(t for _, t in events), key, events) for key, events in uses.items()),
-                    key=lambda item: item[0])
-  for start, (stage, _, _), events in by_start:
-    while busy[stage] and busy[stage][0][0] < start:
-      heapq.heappush(free[stage], heapq.heappop(busy[stage])[1])
-    if free[stage]:
-      slot = heapq.heappop(free[stage])
+  slot_of_value = np.zeros(values, np.int32)
+  order = np.argsort(start, kind="stable")
+  for value, s, begin, finish in zip(order.tolist(), stage[order].tolist(),
+                                     start[order].tolist(), end[order].tolist()):
+    while busy[s] and busy[s][0][0] < begin:
+      heapq.heappush(free[s], heapq.heappop(busy[s])[1])
+    if free[s]:
+      slot = heapq.heappop(free[s])
     else:
-      slot, slots[stage] = slots[stage], slots[stage] + 1
-    heapq.heappush(busy[stage], (max(t for _, t in events), slot))
-    for column, tick in events:
-      tables[column][tick, stage] = slot
+      slot, slots[s] = slots[s], slots[s] + 1
+    heapq.heappush(busy[s], (finish, slot))
+    slot_of_value[value] = slot
+  return slot_of_value
 
 
 # Op orders.
