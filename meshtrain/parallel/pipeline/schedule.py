@@ -177,12 +177,12 @@ def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables)
 
 
-# The values each op writes or reads: (op kind, buffer, the value's chunk
-# c + offset, column of SLOT_FIELDS, tick + offset, which chunks c: "any",
-# "last" (c = P V - 1), "not first" or "not last"; backward). A rule
-# marked with backward holds only where the table has B ops (a forward-only
-# table stashes nothing). In this order within a cell, the order a value is
-# first met in, which breaks ties between values that start at one tick.
+# What an op of chunk c at tick t writes or reads: (its kind, the buffer, the
+# value's chunk as c + offset, the column of SLOT_FIELDS, the tick as t +
+# offset, the chunks c it applies to: "any", "last" (c = P V - 1), "not
+# first" or "not last", and whether only a table with B ops has it: a
+# forward-only table stashes nothing). A cell's events are met in this
+# order, which breaks ties between values that start at the same tick.
 _EVENT_RULES = (
     (F, "act", 0, "act_slot", 0, "not first", False),
     (F, "act", 1, "act_recv_slot", 1, "not last", False),
