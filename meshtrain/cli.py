@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -38,6 +39,7 @@ from meshtrain.train.setup import build
 # own, set by `_parse_flags` (not sys.argv, which holds launch's command after --
 # and is read at import when --config is not named).
 _OVERRIDE_ARGV: list[str] = []
+_GIVEN_ARGV: list[str] = []  # the command line as given (before --config is added), for FLAGS_READ
 _CONFIG = config_flags.DEFINE_config_file(
     "config", default=meshtrain.config.__file__,
     help_string="A config file with get_config(); `file.py:arg` passes arg. "
@@ -305,6 +307,9 @@ def export_hf_command(argv: list[str]) -> None:
     raise ConfigError("--to", "give the directory to write: "
                       "meshtrain export-hf --workdir W --to DIR")
   exporter.check_target(_TO.value)
+  if _MAX_SHARD_MB.value < 1:
+    raise ConfigError("--max_shard_mb", f"is {_MAX_SHARD_MB.value}; give the largest file in "
+                      "MB, 1 or more (default 5120)")
   cfg, step = _saved_run()
   setup = build(cfg)
   params = from_stage_slots(cfg, read_saved(saved_run.load_params, _WORKDIR.value, step, cfg,
@@ -319,6 +324,11 @@ def _prompt_texts() -> list[str]:
   if bool(_PROMPT.value is not None) == bool(_PROMPTS.value):
     raise ConfigError("--prompt", "give either --prompt TEXT or --prompts FILE (one prompt a line)")
   if _PROMPT.value is not None:
+    try:
+      _PROMPT.value.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 in the command line
+      raise ConfigError("--prompt", "is not UTF-8 text; give it in UTF-8, or in a UTF-8 file "
+                        "with --prompts") from None
     return [_PROMPT.value]
   try:
     texts = [line for line in Path(_PROMPTS.value).read_text().splitlines() if line.strip()]
@@ -392,6 +402,7 @@ def _check_launched(command: list[str], num_processes: int, devices_per_process:
   failing in every process after they have joined; returns the config."""
   argv = flag_parsing.with_config(command, meshtrain.config.__file__)
   _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
+  _check_flags_read(COMMANDS[argv[0]], command)
   _CONFIG.value.distributed.update(num_processes=num_processes, process_id=0,
                                    coordinator_address="127.0.0.1:1")  # what launch passes each process
   cfg = checked_config(writes_workdir=argv[0] == "train")
@@ -408,11 +419,48 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
             "verify": verify_command}
 # Commands that take positional arguments: launch's command after --, prepare's inputs.
 POSITIONAL_ARGS = (launch_command, prepare_command)
+# The flags of this module each command reads; a flag it does not read is an error, not a no-op.
+# "config": the --config file; "config.": its --config.KEY overrides.
+FLAGS_READ = {
+    train_command: ("config", "config."),
+    plan_command: ("config", "config.", "json", "compile", "devices", "search", "cluster", "top",
+                   "global_batch", "seq_len", "mesh"),
+    schedule_command: ("stages", "microbatches", "schedule", "virtual", "costs", "out", "json"),
+    prepare_command: ("input", "format", "tokenizer", "text_field", "split_blank_lines",
+                      "val_fraction", "out"),
+    eval_command: ("config.", "workdir", "step"),
+    import_hf_command: ("config", "config.", "from", "to"),
+    export_hf_command: ("config.", "workdir", "step", "to", "dtype", "max_shard_mb"),
+    generate_command: ("config.", "workdir", "step", "prompt", "prompts", "max_tokens",
+                       "temperature", "top_k", "top_p", "seed", "json"),
+    verify_command: ("config", "config.", "verify_steps"),
+    launch_command: ("num_processes", "devices_per_process", "max_restarts"),
+}
+OWN_FLAGS = [name for name, holder in list(globals().items())
+             if name.startswith("_") and isinstance(holder, flags.FlagHolder)]
+
+
+def _check_flags_read(command, argv: list[str]) -> None:
+  """Each flag of this module given in `argv` (up to a --) is one `command` reads."""
+  argv = argv[:argv.index("--")] if "--" in argv else argv
+  read, name = FLAGS_READ[command], command.__name__.removesuffix("_command").replace("_", "-")
+  given = [globals()[holder].name for holder in OWN_FLAGS
+           if globals()[holder].present and globals()[holder].name != "config"]
+  given += [f for f in flags.FLAGS if f.startswith("config.") and flags.FLAGS[f].present]
+  if any(re.match(r"--?config(=|$)", arg) for arg in argv):
+    given.append("config")
+  for flag in given:
+    if flag not in read and not (flag.startswith("config.") and "config." in read):
+      where = ("it reads the run's saved config; change its keys with --config.KEY=VALUE"
+               if flag == "config" and "config." in read else f"see `meshtrain {name} --helpfull`")
+      raise ConfigError(f"--{flag}", f"is not read by `meshtrain {name}`, so it would do "
+                        f"nothing; remove it ({where})")
 
 
 def _guarded(command):
   def main(argv):
     try:
+      _check_flags_read(command, _GIVEN_ARGV)
       if command not in POSITIONAL_ARGS and len(argv) > 1:
         raise ConfigError(argv[0].split()[-1], f"unexpected argument {argv[1]!r}; flags start "
                           f"with -- (a config file is --config {argv[1]})")
@@ -502,6 +550,7 @@ def run(argv: list[str] | None = None) -> None:
     given = f"{argv[0]!r} is not a command" if argv else "no command given"
     _fail(ConfigError("command", f"{given}; use meshtrain {{{'|'.join(COMMANDS)}}} [--flags] "
                       "(--helpfull for flags)"))
+  _GIVEN_ARGV[:] = argv
   argv = flag_parsing.with_config(argv, meshtrain.config.__file__)
   app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],
           flags_parser=_parse_flags)

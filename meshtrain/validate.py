@@ -26,12 +26,12 @@ from jax.sharding import AbstractMesh, AxisType
 
 import meshtrain.config
 from meshtrain import distributed
-from meshtrain.data import SOURCES
+from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import moe
 from meshtrain.parallel import sequence
-from meshtrain.train import setup
+from meshtrain.train import local_sgd, optimizer, precision, setup
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
 
@@ -81,6 +81,9 @@ RULES: dict[str, Rule] = {
         "mlp_dim")},
     "model.sliding_window": at_least(0),
     "model.rope_theta": above(0),
+    **{f"model.rope_{name}": above(0) for name in (
+        "scaling_factor", "low_freq_factor", "high_freq_factor")},
+    "model.rope_original_max_positions": at_least(1),
     "model.norm_eps": above(0),
     **{f"model.moe.{name}": at_least(0) for name in (
         "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
@@ -93,6 +96,7 @@ RULES: dict[str, Rule] = {
     "pipeline.schedule": one_of(setup.schedules.SCHEDULE_NAMES),
     "pipeline.microbatches": at_least(1),
     "pipeline.virtual_stages": at_least(1),
+    "optimizer.name": one_of(optimizer.OPTIMIZERS),
     "optimizer.learning_rate": above(0),
     "optimizer.warmup_steps": at_least(0),
     "optimizer.min_lr_ratio": within(0, 1),
@@ -101,8 +105,17 @@ RULES: dict[str, Rule] = {
     "optimizer.eps": above(0),
     "optimizer.weight_decay": at_least(0),
     "optimizer.clip_norm": at_least(0),
+    "optimizer.momentum": within(0, 1, high_open=True),
+    "local_sgd.inner_steps": at_least(0),
+    "local_sgd.outer_optimizer": one_of(local_sgd.OUTER_OPTIMIZERS),
+    "local_sgd.outer_learning_rate": above(0),
+    "local_sgd.outer_momentum": within(0, 1, high_open=True),
+    "loss_scale.initial": above(0),
+    "loss_scale.period": at_least(1),
     "checkpoint.every_steps": at_least(0),
     "checkpoint.keep": at_least(0),
+    "eval.every_steps": at_least(0),
+    "eval.batches": at_least(1),
     "data.source": one_of(SOURCES),
     "distributed.step_timeout_s": at_least(0),
     "distributed.compile_timeout_s": at_least(0),
@@ -133,6 +146,19 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
     **{f"pipeline.{name}": (lambda c, sizes: sizes and sizes["pipeline"] == 1,
                             "mesh.pipeline is 1, so no pipeline runs; set config.mesh.pipeline > 1")
        for name in ("schedule", "microbatches", "virtual_stages", "stage_layers")},
+    "optimizer.momentum": (lambda c, sizes: c.optimizer.name != "sgd",
+                           "only optimizer.name=sgd has momentum; set config.optimizer.name=sgd"),
+    **{f"local_sgd.{name}": (lambda c, sizes: not c.local_sgd.inner_steps,
+                             "local_sgd.inner_steps is 0, so replicas never sync; set it > 0")
+       for name in ("outer_optimizer", "outer_learning_rate", "outer_momentum")},
+    **{f"loss_scale.{name}": (lambda c, sizes: not precision.uses_loss_scale(c),
+                              "only float16 training scales its loss; set "
+                              "config.param_dtype or config.compute_dtype=float16")
+       for name in ("initial", "period")},
+    **{f"model.rope_{name}": (lambda c, sizes: c.model.rope_scaling_factor == 1,
+                              "model.rope_scaling_factor is 1, so RoPE is not scaled; set it "
+                              "to Llama 3's factor")
+       for name in ("low_freq_factor", "high_freq_factor", "original_max_positions")},
     **{key: (lambda c, sizes: not c.model.moe.num_experts,
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
@@ -195,11 +221,22 @@ def check_config(cfg) -> None:
     if problem:
       raise ConfigError(f"config.{key}", problem)
   _check_ignored(cfg, values, defaults, sizes=None)
+  _check_rope_scaling(cfg.model)
   distributed.check(cfg.distributed)
+  if cfg.tokenizer:  # used by samples and exports, after the run: load it now
+    tokenizers.load(cfg.tokenizer, key="config.tokenizer")
   if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).is_file():
     found = "is a folder" if Path(cfg.data.path).is_dir() else "not found"
     raise ConfigError("config.data.path", f"file '{cfg.data.path}' {found}; point "
                       "config.data.path at a UTF-8 text file")
+
+
+def _check_rope_scaling(model) -> None:
+  """Llama 3's RoPE scaling interpolates between the two wavelength bounds."""
+  if model.rope_scaling_factor != 1 and model.rope_high_freq_factor <= model.rope_low_freq_factor:
+    raise ConfigError("config.model.rope_high_freq_factor", f"is {model.rope_high_freq_factor}, "
+                      f"not above rope_low_freq_factor={model.rope_low_freq_factor}; Llama 3 "
+                      "uses 4 and 1")
 
 
 def _check_ignored(cfg, values, defaults, sizes) -> None:

@@ -34,18 +34,30 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
     raise ConfigError("--workdir", f"{workdir} has no config.json; give a workdir that "
                       "`meshtrain train` or `meshtrain import-hf` wrote")
   with reading("--workdir", file):
-    saved = json.loads(file.read_text())
-  # How the run was launched belongs to that launch: a command that reads the
-  # run joins a job only when its own flags say so, on as many devices in all.
-  launched = saved.pop("distributed", {})
-  if saved.get("simulate_devices") and launched.get("num_processes", 1) > 1:
-    saved["simulate_devices"] *= launched["num_processes"]
-  cfg = get_config()
-  cfg.update(saved)
+    text = file.read_bytes()
+  try:
+    saved = json.loads(text)
+    if not isinstance(saved, dict):
+      raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+    # How the run was launched belongs to that launch: a command that reads the
+    # run joins a job only when its own flags say so, on as many devices in all.
+    launched = saved.pop("distributed", {})
+    if saved.get("simulate_devices") and launched.get("num_processes", 1) > 1:
+      saved["simulate_devices"] *= launched["num_processes"]
+    cfg = get_config()
+    cfg.update(saved)
+  except (ValueError, TypeError, AttributeError, RecursionError) as error:
+    raise ConfigError("--workdir", f"{file} is not a run's config ({_first_line(error)}); give "
+                      "the workdir that `meshtrain train` or `meshtrain import-hf` wrote, its "
+                      "config.json as written") from None
   for key, value in overrides.items():
     section, _, name = key.rpartition(".")
     (cfg[section] if section else cfg)[name] = value
   return cfg
+
+
+def _first_line(error: Exception) -> str:
+  return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def checkpoint_step(workdir, step: int | None) -> int:

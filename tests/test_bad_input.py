@@ -3,6 +3,7 @@ each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
 traceback, and the workdir byte for byte as it was."""
 
 import hashlib
+import json
 import shutil
 
 import pytest
@@ -100,6 +101,26 @@ CASES = [
      "config.model.moe.first_dense_layers"),
     ("train", ["--config.model.moe.num_experts=8", "--config.model.moe.capacity_factor=-1"],
      "config.model.moe.capacity_factor"),
+    ("train", ["--config.model.moe.num_experts=4", "--config.mesh.data=4", "--config.mesh.tensor=2",
+               "--config.model.moe.shared_mlp_dim=7"], "config.model.moe.shared_mlp_dim"),
+    # optimizer, local SGD, loss scaling, evaluation, RoPE scaling, tokenizer
+    ("train", ["--config.optimizer.name=adamx"], "config.optimizer.name"),
+    ("train", ["--config.optimizer.momentum=0.5"], "config.optimizer.momentum"),  # adamw's
+    ("train", ["--config.optimizer.name=sgd", "--config.optimizer.momentum=2"],
+     "config.optimizer.momentum"),
+    ("train", ["--config.local_sgd.outer_learning_rate=0.5"],
+     "config.local_sgd.outer_learning_rate"),
+    ("train", ["--config.local_sgd.inner_steps=2", "--config.local_sgd.outer_momentum=1.5"],
+     "config.local_sgd.outer_momentum"),
+    ("train", ["--config.loss_scale.initial=1024"], "config.loss_scale.initial"),  # float32
+    ("train", ["--config.compute_dtype=float16", "--config.loss_scale.period=0"],
+     "config.loss_scale.period"),
+    ("train", ["--config.eval.batches=0"], "config.eval.batches"),
+    ("train", ["--config.model.rope_scaling_factor=0"], "config.model.rope_scaling_factor"),
+    ("train", ["--config.model.rope_low_freq_factor=2"], "config.model.rope_low_freq_factor"),
+    ("train", ["--config.model.rope_scaling_factor=8", "--config.model.rope_high_freq_factor=1"],
+     "config.model.rope_high_freq_factor"),
+    ("train", ["--config.tokenizer=no/such/tokenizer"], "config.tokenizer"),
     # a key that another key's value makes do nothing
     ("train", ["--config.data.path={text}"], "config.data.path"),
     ("train", ["--config.data.path=no/such/file.txt"], "config.data.path"),
@@ -183,6 +204,27 @@ CASES = [
     ("launch", ["--num_processes=2", "--", "train", "--config.stepz=1"], "config.stepz"),
     ("launch", ["--num_processes=2", "--devices_per_process=4", "--", "train",
                 "--config.mesh.data=3"], "config.mesh"),
+    ("launch", ["--config.steps=3", "--", "train"], "--config.steps"),  # belongs after --
+    # a flag the command does not read
+    ("train", ["--prompt=hi"], "--prompt"),
+    ("launch", ["--", "train", "--workdir=x"], "--workdir"),
+    ("schedule", ["--devices=8"], "--devices"),
+    ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--config.steps=3"], "--config.steps"),
+    ("eval", ["--workdir={run}", f"--config={REPO}/configs/tiny.py"], "--config"),
+    # prepare's inputs and tokenizer
+    ("prepare", ["--input={tmp}/surrogate.jsonl", "--out={tmp}/out"], "--input"),
+    ("prepare", ["--input={tmp}/deep.jsonl", "--out={tmp}/out"], "--input"),
+    ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--tokenizer=train:99999999999"],
+     "--tokenizer"),
+    ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--tokenizer=train:²"], "--tokenizer"),
+    # a run's workdir, a Hugging Face model, generate's and export-hf's flags
+    ("eval", ["--workdir={tmp}/list_run"], "--workdir"),
+    ("eval", ["--workdir={tmp}/garbled_run"], "--workdir"),
+    ("generate", ["--workdir={run}", "--prompt=\udcff"], "--prompt"),  # not UTF-8 in argv
+    ("export-hf", ["--workdir={run}", "--to={tmp}/out", "--max_shard_mb=0"], "--max_shard_mb"),
+    ("import-hf", ["--from={tmp}/hf_model", "--to={tmp}/imported"], "--from"),
+    ("import-hf", ["--from={tmp}/hf_list", "--to={tmp}/imported"], "--from"),
+    ("import-hf", ["--from={tmp}/hf_garbled", "--to={tmp}/imported"], "--from"),
 ]
 
 
@@ -192,6 +234,19 @@ CONFIG_FILES = {
     "broken.py": "def get_config(:\n",
     "wrong_type.py": "from meshtrain.config import get_config as defaults\n\n"
                      "def get_config():\n  c = defaults()\n  c.steps = 'ten'\n  return c\n",
+}
+# Other files the cases read: JSON that parses but holds no text, broken runs and models.
+HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+DATA_FILES = {
+    "surrogate.jsonl": '{"text": "a\\ud800b"}\n',  # a lone surrogate, escaped
+    "deep.jsonl": '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+    "list_run/config.json": "[1]",
+    "garbled_run/config.json": '{"model": "x"}',
+    "hf_list/config.json": "[]",
+    "hf_garbled/config.json": json.dumps(HF_LLAMA),
+    "hf_garbled/model.safetensors": "not a safetensors header " * 40,
 }
 
 
@@ -207,6 +262,7 @@ def trained_run(tmp_path_factory):
   checkpoints = Checkpoints(workdir / "checkpoints", config_key="test")
   checkpoints.save(0, setup.init_state(), batches, cfg)
   checkpoints.close()
+  (workdir / "config.json").write_text(json.dumps(cfg.to_dict()))  # as train writes it
   return workdir
 
 
@@ -233,7 +289,8 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
   (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 8 + b"\xff\xfe")
   (tmp_path / "hf_model").mkdir()
   (tmp_path / "hf_model" / "config.json").write_text('{"model_type": "llama"}')
-  for name, body in CONFIG_FILES.items():
+  for name, body in {**CONFIG_FILES, **DATA_FILES}.items():
+    (tmp_path / name).parent.mkdir(exist_ok=True)
     (tmp_path / name).write_text(body)
   run = tmp_path / "run"
   if any("{run}" in arg for arg in args):

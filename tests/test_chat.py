@@ -437,6 +437,31 @@ def test_a_template_that_renders_earlier_turns_differently_is_refused(chat_input
                  "the conversation differently once more messages follow", tmp_path)
 
 
+@pytest.mark.parametrize("template, reason", [
+    ("{{ (messages | length) // 0 }}", "integer division or modulo by zero"),
+    ("{{ 10.0 ** 100000 }}", "(34, 'Numerical result out of range')"),
+    ("{% for m in messages %}{{ m.content.encode('x') }}{% endfor %}", "unknown encoding: x"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "maximum recursion depth exceeded")])
+def test_a_template_that_fails_itself_is_refused(chat_inputs, tmp_path, template, reason):
+  """Whatever a template's own code raises (it is a downloaded file) is one line."""
+  tokenizer, good = chat_inputs
+  config = tokenizer / "tokenizer_config.json"
+  config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": template}))
+  assert_refused(lambda: p.prepare([str(good)], str(tokenizer), str(tmp_path / "out"),
+                                   input_format="chat"),
+                 "--input", f"refuses the conversation ({reason}", tmp_path)
+
+
+@pytest.mark.parametrize("name, body", [("chat_template.jinja", b"\xff\xfe{{ messages }}"),
+                                        ("tokenizer_config.json", b"[1, 2]")])
+def test_an_unreadable_template_or_config_is_refused(chat_inputs, tmp_path, name, body):
+  tokenizer, good = chat_inputs
+  (tokenizer / name).write_bytes(body)
+  assert_refused(lambda: p.prepare([str(good)], str(tokenizer), str(tmp_path / "out"),
+                                   input_format="chat"),
+                 "--tokenizer", f"{tokenizer / name} is unreadable", tmp_path)
+
+
 def test_chat_reads_only_jsonl(chat_inputs, tmp_path):
   tokenizer, _ = chat_inputs
   (tmp_path / "chat.txt").write_text("user: hi\n")

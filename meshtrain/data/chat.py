@@ -57,8 +57,10 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
 LINE_FORMAT = '{"messages": [{"role": "user", "content": "..."}, ...]}'
-# What a template's own code raises on input it refuses (besides raise_exception's TemplateError).
-_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError)
+# What a template's own code raises on input it refuses (besides raise_exception's TemplateError),
+# or where it fails itself (a division by zero, a missing key, endless recursion).
+_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError,
+                    RecursionError)
 
 
 class Conversation(NamedTuple):
@@ -127,7 +129,7 @@ def load(spec: str, *, key: str) -> tuple[tk.HuggingFaceTokenizer, ChatTemplate]
   if not isinstance(tokenizer, tk.HuggingFaceTokenizer):
     raise ConfigError(key, f"{spec} holds a byte-level corpus, not a Hugging Face tokenizer; {fix}")
   config = _config(directory, key)
-  source, origin = _template_source(directory, config)
+  source, origin = _template_source(directory, config, key)
   if source is None:
     raise ConfigError(key, f"{directory} has no chat_template (neither in {CONFIG_FILE} nor in "
                       f"{TEMPLATE_FILE}); {fix}")
@@ -193,12 +195,16 @@ def _config(directory: Path, key: str) -> dict:
   return config
 
 
-def _template_source(directory: Path, config: dict) -> tuple[str | None, Path]:
+def _template_source(directory: Path, config: dict, key: str) -> tuple[str | None, Path]:
   """The template (None if there is none) and its file: chat_template.jinja first, as
   transformers reads it, else the config's, its "default" one where it names several."""
   jinja_file = directory / TEMPLATE_FILE
   if jinja_file.is_file():
-    return jinja_file.read_text(encoding="utf-8"), jinja_file
+    try:
+      return jinja_file.read_text(encoding="utf-8"), jinja_file
+    except (OSError, UnicodeDecodeError) as error:
+      raise ConfigError(key, f"{jinja_file} is unreadable ({error}); restore it from the "
+                        "model") from None
   template = config.get("chat_template")
   if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
     template = next((named.get("template") for named in template

@@ -53,6 +53,7 @@ import glob
 import io
 import itertools
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -179,13 +180,26 @@ def _jsonl_records(file: Path) -> Iterator[tuple[int, Any, int]]:
           continue
         try:
           record = json.loads(line)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # nested too deep: RecursionError
           raise ConfigError("--input", f"{file} line {number} is not JSON ({error}); give one "
                             "JSON object a line") from None
+        _check_surrogates(record, line, f"{file} line {number}")
         yield number, record, len(line.encode("utf-8"))
     except UnicodeDecodeError as error:
       raise ConfigError("--input", f"{file} is not UTF-8 text ({error.reason} at byte "
                         f"{error.start})") from None
+
+
+def _check_surrogates(record: Any, line: str, where: str) -> None:
+  """Refuses a line that escapes half of a UTF-16 surrogate pair (`"\\ud800"`):
+  valid JSON, but no text that a tokenizer can encode."""
+  if re.search(r"\\u[dD][89a-fA-F]", line):
+    try:
+      json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+      raise ConfigError("--input", f"{where} holds {error.object[error.start]!r}, half of a "
+                        "UTF-16 surrogate pair, which is no character; fix its \\u escapes"
+                        ) from None
 
 
 def _jsonl_texts(file: Path, field: str) -> Iterator[str]:
@@ -361,7 +375,7 @@ def _tokenizer(spec: str, stream, total_bytes: int) -> tk.Tokenizer:
   if not spec.startswith("train:"):
     return tk.load(spec, key="--tokenizer")
   size = spec.removeprefix("train:")
-  if not size.isdigit():
+  if not size.isdecimal():  # not isdigit: int() refuses superscripts
     raise ConfigError("--tokenizer", f"{spec!r}: give the vocabulary size as train:N, e.g. train:1024")
   with _progress(total_bytes, "train BPE") as bar:
     def texts() -> Iterator[str]:

@@ -32,6 +32,7 @@ META_FILE = "meta.json"  # a prepared corpus: {"tokenizer": "bytes" | "tokenizer
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 TRAINED_EOS = "<|endoftext|>"
+MAX_VOCAB = 2**32  # ids a prepared corpus can hold (uint32)
 
 
 class ByteTokenizer:
@@ -122,6 +123,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, key: str) -> HuggingFace
   if vocab_size < len(alphabet) + 1:
     raise ConfigError(key, f"train:{vocab_size} is too small; a byte-level BPE needs at least "
                       f"{len(alphabet) + 1} ids (the 256 bytes and the end-of-document token)")
+  if vocab_size > MAX_VOCAB:
+    raise ConfigError(key, f"train:{vocab_size} is too large; a prepared corpus holds ids as "
+                      f"uint32, so give {MAX_VOCAB} or fewer")
   tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
   tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = tokenizers.decoders.ByteLevel()
@@ -150,9 +154,11 @@ def _tokenizer_config(directory: Path) -> dict:
   """`tokenizer_config.json` (or `special_tokens_map.json`) beside the tokenizer, if any."""
   for name in ("tokenizer_config.json", "special_tokens_map.json"):
     try:
-      return json.loads((directory / name).read_text())
-    except (OSError, ValueError):
+      config = json.loads((directory / name).read_text())
+    except (OSError, ValueError, RecursionError):
       continue
+    if isinstance(config, dict):  # else as unreadable as broken JSON
+      return config
   return {}
 
 

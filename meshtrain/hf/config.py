@@ -55,6 +55,8 @@ def read(directory, *, key: str) -> dict:
     hf = json.loads(file.read_text())
   except ValueError as error:
     raise ConfigError(key, f"{file} is not JSON ({error})") from None
+  if not isinstance(hf, dict):
+    raise ConfigError(key, f"{file} holds a JSON {type(hf).__name__}, not a model's config object")
   family = hf.get("model_type")
   if family not in FAMILIES:
     raise ConfigError(key, f"{file} has model_type {family!r}; meshtrain imports "
@@ -63,6 +65,12 @@ def read(directory, *, key: str) -> dict:
   if unsupported:
     raise ConfigError(key, f"{file} sets {', '.join(unsupported)}, which meshtrain's {family} "
                       "does not implement")
+  try:
+    model_keys(hf)
+  except KeyError as error:
+    raise ConfigError(key, f"{file} has no {error} field; a {family} config needs it") from None
+  except (TypeError, ValueError, ArithmeticError) as error:
+    raise ConfigError(key, f"{file} holds a field of the wrong type or value ({error})") from None
   return hf
 
 

@@ -11,8 +11,9 @@ import json
 import shutil
 from pathlib import Path
 
-from meshtrain import workdir as saved_run
+from meshtrain import validate, workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
+from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 
 HF_CONFIG_FILE = "hf_config.json"  # in a workdir: the imported model's config.json
@@ -28,7 +29,12 @@ def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
   hf = hf_config.read(source, key="--from")
   run = (workdir / "checkpoints").exists() or (workdir / "config.json").exists()
   saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
-  cfg.model.update(hf_config.model_keys(hf))
+  try:
+    cfg.model.update(hf_config.model_keys(hf))
+    validate.check_config(cfg)
+  except (ConfigError, TypeError) as error:  # TypeError: a value of the wrong type
+    raise ConfigError("--from", f"{source / hf_config.CONFIG_FILE} does not make a model "
+                      f"meshtrain runs ({error})") from None
   cfg.workdir = str(workdir)
   has_tokenizer = (source / tokenizers.TOKENIZER_FILE).is_file()
   if has_tokenizer:

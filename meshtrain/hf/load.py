@@ -8,6 +8,7 @@ its own devices hold. A file is opened per read: its memory map (resident
 pages count as the process's memory) is let go at once.
 """
 
+import contextlib
 import itertools
 import json
 import math
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from meshtrain.errors import ConfigError, reading
@@ -52,20 +53,30 @@ class SafetensorsDir:
                         "download every shard of the model")
     self.files = {name: self.directory / file for name, file in weight_map.items()}
 
+  @contextlib.contextmanager
+  def _open(self, file: Path):
+    """`safe_open(file)`; a file that is not safetensors is one line naming the flag."""
+    try:
+      with reading(self.key, file), safe_open(file, "numpy") as f:
+        yield f
+    except SafetensorError as error:
+      raise ConfigError(self.key, f"{file} is not a safetensors file ({error}); download it "
+                        "again") from None
+
   def _keys(self, file: Path) -> list[str]:
-    with safe_open(file, "numpy") as f:
+    with self._open(file) as f:
       return list(f.keys())
 
   def shape(self, name: str) -> tuple[int, ...]:
     if name not in self.files:
       raise ConfigError(self.key, f"{self.directory} has no tensor {name}")
-    with safe_open(self.files[name], "numpy") as f:
+    with self._open(self.files[name]) as f:
       return tuple(f.get_slice(name).get_shape())
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
     """tensor[index], read in runs of rows of at most READ_BYTES of the file,
     each through its own memory map."""
-    with safe_open(self.files[name], "numpy") as f:
+    with self._open(self.files[name]) as f:
       tensor = f.get_slice(name)
       shape, dtype = tensor.get_shape(), tensor.get_dtype()
       if len(shape) == 1:
@@ -75,7 +86,7 @@ class SafetensorsDir:
     step = max(1, READ_BYTES // row_bytes)
     out = None
     for start in range(first, stop, step):
-      with safe_open(self.files[name], "numpy") as f:
+      with self._open(self.files[name]) as f:
         rows = f.get_slice(name)[(slice(start, min(start + step, stop)), *index[1:])]
       if out is None:
         out = np.empty((stop - first, *rows.shape[1:]), rows.dtype)

@@ -63,10 +63,12 @@ class MoEConfig:
   grouped_gemm: str = "tiled"  # how a device runs its experts (`experts.GEMMS`)
 
   def capacity(self, length: int) -> int:
-    """Assignments an expert takes from one sequence of `length` tokens (0: all)."""
+    """Assignments an expert takes from one sequence of `length` tokens (0: all);
+    at most `length`, as many as it can get (a token picks an expert once)."""
     if not self.capacity_factor:
       return 0
-    return math.ceil(self.capacity_factor * length * self.experts_per_token / self.num_experts)
+    return math.ceil(min(length, self.capacity_factor * length * self.experts_per_token /
+                         self.num_experts))
 
 
 class Routing(NamedTuple):

@@ -153,6 +153,10 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   if hidden % mesh.shape["tensor"]:
     raise ConfigError(f"{key}.mlp_dim", f"each expert's hidden width {hidden} is not divisible "
                       f"by config.mesh.tensor = {mesh.shape['tensor']}")
+  if moe.shared_mlp_dim % mesh.shape["tensor"]:
+    raise ConfigError(f"{key}.shared_mlp_dim", f"the shared MLP's hidden width "
+                      f"{moe.shared_mlp_dim} is not divisible by config.mesh.tensor = "
+                      f"{mesh.shape['tensor']}")
   why = moe.grouped_gemm == "hopper" and hopper_gemm.unsupported(
       jax.devices()[0], cfg.compute_dtype, parallelize.expert_widths(cfg))
   if why:
