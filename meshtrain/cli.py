@@ -343,11 +343,13 @@ def generate_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
   texts = _prompt_texts()
-  sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
-  sampling.check()
   if _MAX_TOKENS.value < 1:
     raise ConfigError("--max_tokens", f"{_MAX_TOKENS.value} must be >= 1")
+  if not 0 <= _SEED.value < 2**32:
+    raise ConfigError("--seed", f"is {_SEED.value}; give a seed in [0, 2**32), as config.seed")
   cfg, step = _saved_run()
+  sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  sampling.check(cfg.model.vocab_size)
   setup = build(cfg)
   tokenizer = tokenizers.for_config(cfg)
   prompts = generate.prompt_ids(tokenizer, texts, cfg.model.vocab_size)

@@ -13,6 +13,7 @@ head); only attention differs from `Llama.__call__`: it reads the cache.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +40,13 @@ class Sampling:
   top_k: int = 0            # keep the k likeliest tokens (0: all)
   top_p: float = 1.0        # keep the smallest set of likeliest tokens holding p of the mass
 
-  def check(self) -> None:
-    for flag, bad, rule in (("--temperature", self.temperature < 0, "must be >= 0"),
-                            ("--top_k", self.top_k < 0, "must be >= 0 (0: all tokens)"),
-                            ("--top_p", not 0 < self.top_p <= 1, "must be in (0, 1]")):
+  def check(self, vocab_size: int) -> None:
+    for flag, bad, rule in (
+        ("--temperature", not (math.isfinite(self.temperature) and self.temperature >= 0),
+         "must be a number >= 0 (0: greedy)"),
+        ("--top_k", not 0 <= self.top_k <= vocab_size,
+         f"must be in [0, {vocab_size}], the model's vocabulary (0: all tokens)"),
+        ("--top_p", not 0 < self.top_p <= 1, "must be in (0, 1]")):
       if bad:
         raise ConfigError(flag, f"{getattr(self, flag[2:])} {rule}")
 

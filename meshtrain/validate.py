@@ -64,7 +64,7 @@ def not_empty(value) -> str | None:
 RULES: dict[str, Rule] = {
     "seed": within(0, 2**32 - 1),
     "workdir": not_empty,
-    "steps": at_least(1),
+    "steps": within(1, 2**31 - 1),  # the step counter is int32
     "global_batch": at_least(1),
     "seq_len": at_least(1),
     "grad_accum_steps": at_least(1),

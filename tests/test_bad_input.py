@@ -112,6 +112,8 @@ CASES = [
      "config.local_sgd.outer_learning_rate"),
     ("train", ["--config.local_sgd.inner_steps=2", "--config.local_sgd.outer_momentum=1.5"],
      "config.local_sgd.outer_momentum"),
+    ("train", ["--config.local_sgd.inner_steps=100"], "config.local_sgd.inner_steps"),
+    ("train", ["--config.steps=99999999999"], "config.steps"),
     ("train", ["--config.loss_scale.initial=1024"], "config.loss_scale.initial"),  # float32
     ("train", ["--config.compute_dtype=float16", "--config.loss_scale.period=0"],
      "config.loss_scale.period"),
@@ -221,6 +223,9 @@ CASES = [
     ("eval", ["--workdir={tmp}/list_run"], "--workdir"),
     ("eval", ["--workdir={tmp}/garbled_run"], "--workdir"),
     ("generate", ["--workdir={run}", "--prompt=\udcff"], "--prompt"),  # not UTF-8 in argv
+    ("generate", ["--workdir={run}", "--prompt=a", "--temperature=nan"], "--temperature"),
+    ("generate", ["--workdir={run}", "--prompt=a", "--top_k=100000"], "--top_k"),
+    ("generate", ["--workdir={run}", "--prompt=a", "--seed=-1"], "--seed"),
     ("export-hf", ["--workdir={run}", "--to={tmp}/out", "--max_shard_mb=0"], "--max_shard_mb"),
     ("import-hf", ["--from={tmp}/hf_model", "--to={tmp}/imported"], "--from"),
     ("import-hf", ["--from={tmp}/hf_list", "--to={tmp}/imported"], "--from"),

@@ -470,6 +470,15 @@ def test_chat_reads_only_jsonl(chat_inputs, tmp_path):
                  "--input", "is not a JSONL file", tmp_path)
 
 
+def test_a_corpus_without_an_assistant_turn_is_refused(chat_inputs, tmp_path):
+  """Every token's mask would be 0: a run on it learns nothing."""
+  tokenizer, _ = chat_inputs
+  file = write_conversations(tmp_path / "chat.jsonl", [[user("hi")], [user("and you?")]])
+  assert_refused(lambda: p.prepare([str(file)], str(tokenizer), str(tmp_path / "out"),
+                                   input_format="chat"),
+                 "--input", "no conversation has an assistant turn", tmp_path)
+
+
 def test_cli_reports_a_refusing_template_on_one_line_and_writes_nothing(chat_inputs, tmp_path):
   tokenizer, _ = chat_inputs
   file = write_conversations(tmp_path / "chat.jsonl", [CONVERSATIONS[0], CONVERSATIONS[1]])

@@ -388,7 +388,7 @@ def _tokenizer(spec: str, stream, total_bytes: int) -> tk.Tokenizer:
 def _write_tokens(corpus: _Corpus, directory: Path, total_bytes: int) -> dict:
   """Encodes batch k+1 (Rust threads, GIL released) while writing batch k."""
   dtype = token_dtype(corpus.tokenizer.vocab_size)
-  tokens = documents = 0
+  tokens = documents = learned = 0
   start = time.perf_counter()
   mask_file = (open(directory / LOSS_MASK_FILE, "wb") if corpus.loss_mask
                else contextlib.nullcontext())
@@ -408,12 +408,18 @@ def _write_tokens(corpus: _Corpus, directory: Path, total_bytes: int) -> dict:
       documents_out.write(offsets[np.asarray(encoded.starts)].astype("<i8").tobytes())
       tokens_out.write(np.concatenate(encoded.ids).astype(dtype).tobytes())
       if corpus.loss_mask:
-        mask_out.write(np.concatenate(encoded.masks).astype(np.uint8).tobytes())
+        mask = np.concatenate(encoded.masks).astype(np.uint8)
+        mask_out.write(mask.tobytes())
+        learned += int(mask.sum())
       tokens += int(lengths.sum())
       documents += int(np.sum(encoded.starts))
       bar.update(encoded.size)
       bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):,.0f}")
     documents_out.write(np.array([tokens], "<i8").tobytes())
+  if corpus.loss_mask and tokens and not learned:
+    raise ConfigError("--input", "no conversation has an assistant turn, so no token counts in "
+                      "the loss and training would learn nothing; give conversations with "
+                      "assistant replies")
   return {"documents": documents, "tokens": tokens}
 
 

@@ -48,6 +48,10 @@ def validate(cfg) -> None:
     raise ConfigError("config.local_sgd.inner_steps", f"{local.inner_steps} must be >= 0 (0: off)")
   if not local.inner_steps:
     return
+  if local.inner_steps > cfg.steps:
+    raise ConfigError("config.local_sgd.inner_steps", f"{local.inner_steps} is more than "
+                      f"config.steps = {cfg.steps}, so the replicas would never sync; use "
+                      f"{cfg.steps} or fewer")
   if local.outer_optimizer not in OUTER_OPTIMIZERS:
     raise ConfigError("config.local_sgd.outer_optimizer", f"{local.outer_optimizer!r} is not one "
                       f"of {', '.join(map(repr, OUTER_OPTIMIZERS))}")
