@@ -8,6 +8,7 @@
 import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import sys
@@ -26,7 +27,7 @@ from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
-from meshtrain.hf import exporter
+from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
 from meshtrain.train import resume
 from meshtrain.train.evaluate import evaluate_checkpoint
@@ -173,6 +174,7 @@ def plan_command(argv: list[str]) -> None:
     raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
                       "config's own layout with --config.mesh.* and --config.global_batch")
   if _COMPILE.value and _DEVICES.value:
+    validate.check_devices(cfg, _DEVICES.value)  # before simulating that many devices
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
@@ -186,7 +188,7 @@ def _costs(text: str) -> tuple[float, float, float]:
     costs = tuple(float(c) for c in text.split(","))
   except ValueError:
     costs = ()
-  if len(costs) != 3 or min(costs) < 0 or costs[0] <= 0:
+  if len(costs) != 3 or not all(map(math.isfinite, costs)) or min(costs) < 0 or costs[0] <= 0:
     raise ConfigError("--costs", f"{text!r} is not three costs F,B,W (F > 0, B and W >= 0), "
                       "e.g. --costs=1,1,1")
   return costs
@@ -196,18 +198,30 @@ def _search(cfg) -> None:
   if not _DEVICES.value or _DEVICES.value < 1:
     raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
                       "e.g. --devices 1024")
+  if _COMPILE.value:
+    raise ConfigError("--compile", "is read by plan without --search (it compiles the config's "
+                      "own layout); remove it, or plan one layout with --config.mesh.*")
   for flag in (_TOP, _GLOBAL_BATCH, _SEQ_LEN):
     if flag.value is not None and flag.value < 1:
       raise ConfigError(f"--{flag.name}", f"is {flag.value}; give a positive number")
+  for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # the limits of the config keys they replace
+    problem = flag.value is not None and validate.RULES[flag.name](flag.value)
+    if problem:
+      raise ConfigError(f"--{flag.name}", f"{problem} (as config.{flag.name})")
   with cfg.unlocked():
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
   cluster = clusters.load(_CLUSTER.value)
-  if _MESH.value is not None:
-    print(search.explain(cfg, _DEVICES.value, cluster,
-                         search.parse_mesh(_MESH.value, _DEVICES.value))["text"])
-    return
   config_arg = f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}"
+  if _MESH.value is not None:
+    explained = search.explain(cfg, _DEVICES.value, cluster,
+                               search.parse_mesh(_MESH.value, _DEVICES.value))
+    if _JSON.value:
+      print(json.dumps({key: value.as_dict(config_arg) if isinstance(value, search.Estimate)
+                        else value for key, value in explained.items()}, indent=2))
+    else:
+      print(explained["text"])
+    return
   results, fitting, _ = search.search(cfg, _DEVICES.value, cluster, _TOP.value)
   if _JSON.value:
     print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": _DEVICES.value,
@@ -221,16 +235,60 @@ def _search(cfg) -> None:
     print(search.format_search(results, fitting, cluster, _DEVICES.value, config_arg))
 
 
+# The most stage-ticks `meshtrain schedule` builds and prints, and the most ops
+# it draws with --out (a box and a label each), in seconds.
+MAX_SCHEDULE_CELLS = 300_000
+MAX_CHART_OPS = 3_000
+
+
+def _check_schedule_flags() -> None:
+  """--stages, --microbatches and --virtual, each named in its own error."""
+  sizes = (_STAGES, _MICROBATCHES, _VIRTUAL)
+  for flag in sizes:
+    if flag.value < 1:
+      raise ConfigError(f"--{flag.name}", f"is {flag.value}; give 1 or more")
+  if _VIRTUAL.value != 1 and _SCHEDULE.value != "interleaved_1f1b":
+    raise ConfigError("--virtual", f"is {_VIRTUAL.value}, but {_SCHEDULE.value} runs one chunk "
+                      "per stage; use --schedule=interleaved_1f1b, or --virtual=1")
+  stages, microbatches, virtual = (flag.value for flag in sizes)
+  cells = stages * (3 * virtual * microbatches + 2 * stages)  # about ticks x stages
+  if cells > MAX_SCHEDULE_CELLS:
+    largest = max(sizes, key=lambda flag: flag.value)
+    raise ConfigError(f"--{largest.name}", f"{stages} stages x {virtual} chunks x {microbatches} "
+                      f"microbatches make a table of about {cells:,} stage-ticks, over the "
+                      f"{MAX_SCHEDULE_CELLS:,} this command prints; give fewer")
+  ops = 3 * stages * virtual * microbatches  # F, B and W
+  if _OUT.value and ops > MAX_CHART_OPS:
+    raise ConfigError("--out", f"a chart of {stages} stages x {virtual} chunks x {microbatches} "
+                      f"microbatches has {ops:,} ops, over the {MAX_CHART_OPS:,} it draws; give "
+                      "fewer, or leave out --out (the table is printed)")
+  try:
+    schedules.check(_SCHEDULE.value, stages, microbatches, virtual)
+  except ValueError as error:  # what is left: interleaving's microbatches
+    raise ConfigError("--microbatches", str(error)) from None
+
+
+def _check_chart_path() -> None:
+  if _OUT.value is None:
+    return
+  out = Path(_OUT.value).absolute()
+  if not _OUT.value or out.is_dir():
+    raise ConfigError("--out", f"{_OUT.value!r} is not a file name; give the chart's file, "
+                      "e.g. --out schedule.png")
+  if out.suffix.removeprefix(".").lower() not in draw.FORMATS:
+    raise ConfigError("--out", f"{out.name} has no image extension; end it with one of "
+                      f"{', '.join('.' + f for f in draw.FORMATS)}")
+  if not out.parent.is_dir():
+    raise ConfigError("--out", f"folder {out.parent} does not exist; create it or write the "
+                      "chart elsewhere")
+
+
 def schedule_command(argv: list[str]) -> None:
   del argv
   costs = _costs(_COSTS.value)
-  if _OUT.value and not Path(_OUT.value).absolute().parent.is_dir():
-    raise ConfigError("--out", f"folder {Path(_OUT.value).absolute().parent} does not exist; "
-                      "create it or write the chart elsewhere")
-  try:
-    table = schedules.build(_SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value)
-  except ValueError as error:
-    raise ConfigError("--schedule/--stages/--microbatches/--virtual", str(error)) from None
+  _check_chart_path()
+  _check_schedule_flags()
+  table = schedules.build(_SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value)
   summary = measures.describe(table, costs)
   if _OUT.value:
     try:
@@ -277,8 +335,7 @@ def eval_command(argv: list[str]) -> None:
 def import_hf_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  if not _FROM.value or not _TO.value:
-    raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
+  _check_import_flags()
   cfg = joined_config()
   workdir = resume.import_hf(cfg, _FROM.value, _TO.value)
   if jax.process_index() == 0:
@@ -286,14 +343,24 @@ def import_hf_command(argv: list[str]) -> None:
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
 
 
-def _saved_run():
-  """The config of --workdir (--config.* flags apply) and its checkpoint step --step."""
+def _check_import_flags() -> None:
+  if not _FROM.value or not _TO.value:
+    raise ConfigError("--from/--to", "give both: meshtrain import-hf --from HF_DIR --to WORKDIR")
+
+
+def _saved_config():
+  """The checked config of --workdir (--config.* flags apply) and its checkpoint step --step."""
   if not _WORKDIR.value:
     raise ConfigError("--workdir", "give the workdir of a run (or of import-hf)")
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   cfg = saved_run.load_config(_WORKDIR.value, overrides)
   validate.check_config(cfg)
-  step = saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
+  return cfg, saved_run.checkpoint_step(_WORKDIR.value, _STEP.value)
+
+
+def _saved_run():
+  """`_saved_config` with its devices set up, the job joined and the config checked on them."""
+  cfg, step = _saved_config()
   _use_simulated_devices(cfg)
   distributed.initialize(cfg.distributed)
   validate.check_devices(cfg, jax.device_count(), jax.devices()[0].platform)
@@ -303,13 +370,7 @@ def _saved_run():
 def export_hf_command(argv: list[str]) -> None:
   del argv
   logging.set_verbosity(logging.WARNING)
-  if not _TO.value:
-    raise ConfigError("--to", "give the directory to write: "
-                      "meshtrain export-hf --workdir W --to DIR")
-  exporter.check_target(_TO.value)
-  if _MAX_SHARD_MB.value < 1:
-    raise ConfigError("--max_shard_mb", f"is {_MAX_SHARD_MB.value}; give the largest file in "
-                      "MB, 1 or more (default 5120)")
+  _check_export_flags()
   cfg, step = _saved_run()
   setup = build(cfg)
   params = from_stage_slots(cfg, read_saved(saved_run.load_params, _WORKDIR.value, step, cfg,
@@ -318,6 +379,16 @@ def export_hf_command(argv: list[str]) -> None:
                              max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
   if jax.process_index() == 0:
     print(f"exported step {step} of {_WORKDIR.value} to {_TO.value}: {', '.join(files)}")
+
+
+def _check_export_flags() -> None:
+  if not _TO.value:
+    raise ConfigError("--to", "give the directory to write: "
+                      "meshtrain export-hf --workdir W --to DIR")
+  exporter.check_target(_TO.value)
+  if _MAX_SHARD_MB.value < 1:
+    raise ConfigError("--max_shard_mb", f"is {_MAX_SHARD_MB.value}; give the largest file in "
+                      "MB, 1 or more (default 5120)")
 
 
 def _prompt_texts() -> list[str]:
@@ -339,17 +410,28 @@ def _prompt_texts() -> list[str]:
   return texts
 
 
-def generate_command(argv: list[str]) -> None:
-  del argv
-  logging.set_verbosity(logging.WARNING)
+def _check_generate_flags() -> list[str]:
+  """generate's flags but the sampling's (`_sampling`); returns the prompts."""
   texts = _prompt_texts()
   if _MAX_TOKENS.value < 1:
     raise ConfigError("--max_tokens", f"{_MAX_TOKENS.value} must be >= 1")
   if not 0 <= _SEED.value < 2**32:
     raise ConfigError("--seed", f"is {_SEED.value}; give a seed in [0, 2**32), as config.seed")
-  cfg, step = _saved_run()
+  return texts
+
+
+def _sampling(cfg) -> generate.Sampling:
   sampling = generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   sampling.check(cfg.model.vocab_size)
+  return sampling
+
+
+def generate_command(argv: list[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  texts = _check_generate_flags()
+  cfg, step = _saved_run()
+  sampling = _sampling(cfg)
   setup = build(cfg)
   tokenizer = tokenizers.for_config(cfg)
   prompts = generate.prompt_ids(tokenizer, texts, cfg.model.vocab_size)
@@ -365,13 +447,21 @@ def generate_command(argv: list[str]) -> None:
       print(f"{text}{completion}\n")
 
 
+MAX_VERIFY_STEPS = 1000  # each is a step of both programs, on these devices
+
+
+def _check_verify_flags() -> None:
+  if not 1 <= _VERIFY_STEPS.value <= MAX_VERIFY_STEPS:
+    raise ConfigError("--verify_steps", f"is {_VERIFY_STEPS.value}; compare 1 to "
+                      f"{MAX_VERIFY_STEPS} train steps (a few show a difference)")
+
+
 def verify_command(argv: list[str]) -> None:
   """The config's sharded step against the same step unsharded under plain jit;
   exits 1 when they differ by more than float32 reordering explains."""
   del argv
   logging.set_verbosity(logging.WARNING)
-  if _VERIFY_STEPS.value < 1:
-    raise ConfigError("--verify_steps", f"is {_VERIFY_STEPS.value}; compare 1 or more train steps")
+  _check_verify_flags()
   cfg = joined_config()
   report = selfcheck.verify_config(cfg, _VERIFY_STEPS.value)
   print(report.format())
@@ -384,9 +474,13 @@ def launch_command(argv: list[str]) -> None:
   if not command or command[0] not in COMMANDS or command[0] == "launch":
     raise ConfigError("launch", "give the command after --, e.g. "
                       "`meshtrain launch --num_processes 2 -- train --config configs/tiny.py`")
+  if command[0] not in LAUNCHED:
+    raise ConfigError("launch", f"{command[0]} runs in one process and joins no job; run "
+                      f"`meshtrain {command[0]}` itself (launch runs {', '.join(LAUNCHED)})")
   num_processes, devices_per_process = _NUM_PROCESSES.value, _DEVICES_PER_PROCESS.value
-  if num_processes < 1:
-    raise ConfigError("--num_processes", f"is {num_processes}; start 1 or more processes")
+  if not 1 <= num_processes <= MAX_PROCESSES:
+    raise ConfigError("--num_processes", f"is {num_processes}; start 1 to {MAX_PROCESSES} "
+                      "processes (all of them on this machine)")
   if devices_per_process < 0:
     raise ConfigError("--devices_per_process", f"is {devices_per_process}; give 0 (the config's "
                       "simulate_devices) or a number of simulated CPU devices")
@@ -403,17 +497,43 @@ def _check_launched(command: list[str], num_processes: int, devices_per_process:
   """The launched command's flags and config, checked here once rather than
   failing in every process after they have joined; returns the config."""
   argv = flag_parsing.with_config(command, meshtrain.config.__file__)
-  _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
-  _check_flags_read(COMMANDS[argv[0]], command)
-  _CONFIG.value.distributed.update(num_processes=num_processes, process_id=0,
-                                   coordinator_address="127.0.0.1:1")  # what launch passes each process
-  cfg = checked_config(writes_workdir=argv[0] == "train")
+  rest = _parse_flags([f"meshtrain {argv[0]}", *argv[1:]])
+  launched = COMMANDS[argv[0]]
+  _check_flags_read(launched, command)
+  if len(rest) > 1:
+    raise ConfigError(argv[0], f"unexpected argument {rest[1]!r} after `launch -- {argv[0]}`; "
+                      "flags start with -- (a config file is --config FILE)")
+  for name in ("num_processes", "process_id", "coordinator_address"):
+    if f"config.distributed.{name}" in flags.FLAGS and flags.FLAGS[
+        f"config.distributed.{name}"].present:
+      raise ConfigError(f"config.distributed.{name}", "is set by launch for each process; "
+                        "remove it (--num_processes before -- sets the count)")
+  LAUNCHED[argv[0]]()  # the command's own flags
+  if launched in (eval_command, generate_command, export_hf_command):
+    cfg, _ = _saved_config()
+  else:
+    cfg = _CONFIG.value
+  cfg.distributed.update(num_processes=num_processes, process_id=0,
+                         coordinator_address="127.0.0.1:1")  # what launch passes each process
+  validate.check_config(cfg)
+  if launched is train_command:
+    validate.check_workdir(cfg)
+  if launched is import_hf_command:  # the model it makes, as each process will
+    importer.prepare(cfg, Path(_FROM.value), Path(_TO.value).absolute())
+  if launched is generate_command:
+    _sampling(cfg)
   cfg.simulate_devices = devices_per_process or cfg.simulate_devices
   if cfg.simulate_devices:
     validate.check_devices(cfg, cfg.simulate_devices * num_processes)
   return cfg
 
 
+# The commands launch starts (those that join a job), each with its flags' own
+# check, run once before any process starts; the most processes it starts.
+LAUNCHED = {"train": lambda: None, "eval": lambda: None, "verify": _check_verify_flags,
+            "generate": _check_generate_flags, "import-hf": _check_import_flags,
+            "export-hf": _check_export_flags}
+MAX_PROCESSES = 64
 COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_command,
             "launch": launch_command, "prepare": prepare_command,
             "eval": eval_command, "import-hf": import_hf_command,

@@ -66,7 +66,7 @@ RULES: dict[str, Rule] = {
     "workdir": not_empty,
     "steps": within(1, 2**31 - 1),  # the step counter is int32
     "global_batch": at_least(1),
-    "seq_len": at_least(1),
+    "seq_len": within(1, 2**31 - 1),  # positions are int32
     "grad_accum_steps": at_least(1),
     "param_dtype": one_of(setup.DTYPES),
     "compute_dtype": one_of(setup.DTYPES),
@@ -292,6 +292,9 @@ def check_workdir(cfg) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     raise ConfigError("config.workdir", f"{existing} is not writable (read-only filesystem or "
                       "no permission); choose a writable config.workdir")
+  if (workdir / "checkpoints").exists() and not (workdir / "checkpoints").is_dir():
+    raise ConfigError("config.workdir", f"{workdir / 'checkpoints'} is a file, not the "
+                      "checkpoints folder; move it away or choose another config.workdir")
   saved = workdir / "config.json"
   if saved.is_file() and not _is_run_config(saved):  # a run writes its own over it
     raise ConfigError("config.workdir", f"{saved} is not a meshtrain run's config (a Hugging "
@@ -302,7 +305,7 @@ def check_workdir(cfg) -> None:
 def _is_run_config(path: Path) -> bool:
   try:
     saved = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
     return False
   return isinstance(saved, dict) and {"mesh", "model", "optimizer"} <= saved.keys()
 

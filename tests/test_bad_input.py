@@ -191,12 +191,42 @@ CASES = [
     ("plan", ["--config.steps=0"], "config.steps"),
     ("plan", ["--search", "--devices=8", "--top=0"], "--top"),
     ("plan", ["--search", "--devices=8", "--global_batch=-4"], "--global_batch"),
+    ("plan", ["--search", "--devices=8", "--seq_len=1000000000000"], "--seq_len"),
+    ("plan", ["--search", "--devices=8", "--compile"], "--compile"),  # plan without --search's
+    ("plan", ["--search", "--devices=8", "--mesh=data=²"], "--mesh"),
+    ("plan", ["--search", "--devices=8", "--mesh=data=2,data=4"], "--mesh"),
+    ("plan", ["--search", "--devices=8", "--cluster=nosuch"], "--cluster"),
+    ("plan", ["--search", "--devices=8", "--cluster={tmp}/hf_list/config.json"], "--cluster"),
+    ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_zero_flops.json"], "--cluster"),
+    ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_text_flops.json"], "--cluster"),
+    ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_half_host.json"], "--cluster"),
+    ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_nan_memory.json"], "--cluster"),
+    ("plan", ["--devices=7", "--compile"], "config.global_batch"),  # before making 7 devices
+    ("train", ["--config.seq_len=3000000000"], "config.seq_len"),  # int32 positions
+    ("train", ["--config.workdir={tmp}/checkpoints_file"], "config.workdir"),
+    ("train", ["--config.checkpoint.restore_from={tmp}/a_file"], "config.checkpoint.restore_from"),
+    ("eval", ["--workdir={tmp}/deep_run"], "--workdir"),
+    ("train", ["--config.workdir={tmp}/deep_run"], "config.workdir"),
+    ("import-hf", ["--from={tmp}/hf_deep", "--to={tmp}/imported"], "--from"),
+    ("verify", ["--verify_steps=1000000000"], "--verify_steps"),
     ("verify", ["--verify_steps=0"], "--verify_steps"),
     ("verify", ["--config.local_sgd.inner_steps=2"], "config.local_sgd.inner_steps"),
     ("verify", [*PIPELINE, "--config.model.num_layers=3", "--config.pipeline.stage_layers=2,1",
                 "--config.model.moe.num_experts=4", "--config.expert_parallel="],
      "config.pipeline.stage_layers"),
-    ("schedule", ["--stages=0"], "--schedule/--stages/--microbatches/--virtual"),
+    ("schedule", ["--stages=0"], "--stages"),
+    ("schedule", ["--microbatches=-3"], "--microbatches"),
+    ("schedule", ["--virtual=2"], "--virtual"),  # 1f1b: one chunk per stage
+    ("schedule", ["--schedule=interleaved_1f1b", "--virtual=2", "--microbatches=6"],
+     "--microbatches"),
+    ("schedule", ["--microbatches=1000000"], "--microbatches"),  # would take minutes
+    ("schedule", ["--stages=1000000"], "--stages"),
+    ("schedule", ["--microbatches=2000", "--out={tmp}/chart.png"], "--out"),  # too many boxes
+    ("schedule", ["--costs=nan,1,1"], "--costs"),
+    ("schedule", ["--costs=1,inf,1"], "--costs"),
+    ("schedule", ["--out={tmp}/chart.txt"], "--out"),
+    ("schedule", ["--out={tmp}/hf_model"], "--out"),  # a folder
+    ("schedule", ["--out="], "--out"),
     ("schedule", ["--schedule=zb"], "--schedule"),
     ("schedule", ["--backward_cost=-1"], "--backward_cost"),
     ("schedule", ["--out={tmp}/missing/chart.png"], "--out"),
@@ -207,6 +237,20 @@ CASES = [
     ("launch", ["--num_processes=2", "--devices_per_process=4", "--", "train",
                 "--config.mesh.data=3"], "config.mesh"),
     ("launch", ["--config.steps=3", "--", "train"], "--config.steps"),  # belongs after --
+    ("launch", ["--num_processes=1000000", "--", "train"], "--num_processes"),
+    ("launch", ["--", "launch", "--", "train"], "launch"),
+    ("launch", ["--", "schedule"], "launch"),  # joins no job: N copies would race on --out
+    ("launch", ["--", "train", "extra"], "train"),
+    ("launch", ["--", "train", "--", "train"], "train"),
+    ("launch", ["--", "train", "--config.distributed.num_processes=4"],
+     "config.distributed.num_processes"),  # launch sets it
+    ("launch", ["--", "verify", "--verify_steps=0"], "--verify_steps"),
+    ("launch", ["--", "generate", "--workdir={run}", "--prompt=a", "--max_tokens=0"],
+     "--max_tokens"),
+    ("launch", ["--", "generate", "--workdir={run}", "--prompt=a", "--top_k=100000"], "--top_k"),
+    ("launch", ["--", "export-hf", "--workdir={run}"], "--to"),
+    ("launch", ["--", "eval", "--workdir={tmp}/list_run"], "--workdir"),
+    ("launch", ["--", "import-hf", "--from={tmp}/hf_model", "--to={tmp}/imported"], "--from"),
     # a flag the command does not read
     ("train", ["--prompt=hi"], "--prompt"),
     ("launch", ["--", "train", "--workdir=x"], "--workdir"),
@@ -244,6 +288,8 @@ CONFIG_FILES = {
 HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
             "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
             "vocab_size": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+H100 = {"peak_flops": 989e12, "hbm_bytes": 80e9, "intra_host": 450e9, "inter_host": 50e9,
+        "devices_per_host": 8}  # a --cluster file
 DATA_FILES = {
     "surrogate.jsonl": '{"text": "a\\ud800b"}\n',  # a lone surrogate, escaped
     "deep.jsonl": '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
@@ -252,6 +298,12 @@ DATA_FILES = {
     "hf_list/config.json": "[]",
     "hf_garbled/config.json": json.dumps(HF_LLAMA),
     "hf_garbled/model.safetensors": "not a safetensors header " * 40,
+    "hf_deep/config.json": "[" * 100_000 + "]" * 100_000,
+    "deep_run/config.json": "[" * 100_000 + "]" * 100_000,
+    "checkpoints_file/checkpoints": "not a folder",
+    **{f"cluster_{name}.json": json.dumps({**H100, **change}) for name, change in {
+        "zero_flops": {"peak_flops": 0}, "text_flops": {"peak_flops": "fast"},
+        "half_host": {"devices_per_host": 2.5}, "nan_memory": {"hbm_bytes": float("nan")}}.items()},
 }
 
 

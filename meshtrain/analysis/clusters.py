@@ -8,6 +8,7 @@ host's network (InfiniBand/RoCE NICs, or ICI across a TPU slice's hosts).
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from meshtrain.errors import ConfigError, reading
@@ -72,10 +73,36 @@ def load(name_or_path: str) -> Cluster:
   if not path.suffix == ".json" or not path.is_file():
     raise ConfigError("--cluster", f"{name_or_path!r} is neither a preset "
                       f"({', '.join(PRESETS)}) nor a JSON file")
+  names = ", ".join(f.name for f in dataclasses.fields(Cluster))
   try:
     with reading("--cluster", path):
       fields = json.loads(path.read_text())
-    return Cluster(**{"name": path.stem, **fields})
-  except (json.JSONDecodeError, TypeError) as error:
-    names = ", ".join(f.name for f in dataclasses.fields(Cluster))
+    cluster = Cluster(**{"name": path.stem, **fields})
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, TypeError) as error:
     raise ConfigError("--cluster", f"{path}: {error}; give an object with {names}") from None
+  problem = next(filter(None, (_field_problem(f.name, getattr(cluster, f.name))
+                               for f in dataclasses.fields(Cluster))), None)
+  if problem:
+    raise ConfigError("--cluster", f"{path}: {problem}")
+  return cluster
+
+
+def _field_problem(name: str, value) -> str | None:
+  """What is wrong with one field of a cluster file, or None."""
+  if name == "name":
+    return None if isinstance(value, str) and value else f"name is {value!r}; give a string"
+  if name == "flash_attention":
+    return None if isinstance(value, bool) else f"flash_attention is {value!r}; give true or false"
+  if name == "devices_per_host":
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+      return None
+    return f"devices_per_host is {value!r}; give a whole number, 1 or more"
+  if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    return f"{name} is {value!r}; give a finite number"
+  if name == "usable_memory" and not 0 < value <= 1:
+    return f"usable_memory is {value!r}; give a share of the memory in (0, 1]"
+  if name == "memory_bandwidth" and value < 0:
+    return f"memory_bandwidth is {value!r}; give 0 (never memory-bound) or more"
+  if name != "memory_bandwidth" and value <= 0:
+    return f"{name} is {value!r}; give a value above 0"
+  return None

@@ -100,7 +100,9 @@ class ConfigView(types.SimpleNamespace):
 
 
 def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
+  """The divisors of `n`, ascending (up to its square root and their pairs: fast for any n)."""
+  low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def _abstract_mesh(sizes: dict) -> AbstractMesh:
@@ -804,10 +806,14 @@ def check_published(run, rank: bool = True, efficiency: float = calibration.KERN
 def parse_mesh(text: str, devices: int) -> dict[str, int]:
   """`"data=64,pipeline=16,tensor=8"` -> sizes of every axis (1 where not
   named), checked against `devices`."""
-  sizes = dict.fromkeys(AXES, 1)
+  sizes, named = dict.fromkeys(AXES, 1), set()
   for part in filter(None, (p.strip() for p in text.split(","))):
     axis, _, size = part.partition("=")
-    if axis not in AXES or not size.isdigit() or int(size) < 1:
+    if axis in named:
+      raise ConfigError("--mesh", f"names {axis} twice; give each axis once, e.g. "
+                        "--mesh data=64,pipeline=16,tensor=8")
+    named.add(axis)
+    if axis not in AXES or not (size.isascii() and size.isdigit()) or int(size) < 1:
       raise ConfigError("--mesh", f"{part!r} is not AXIS=SIZE with AXIS one of "
                         f"{', '.join(AXES)}; e.g. --mesh data=64,pipeline=16,tensor=8")
     sizes[axis] = int(size)

@@ -144,7 +144,7 @@ def _prepared_meta(path: Path, key: str) -> dict:
     meta = json.loads(file.read_text())
     if meta["tokenizer"] not in ("bytes", TOKENIZER_FILE) or not isinstance(meta["eos_id"], int):
       raise ValueError(f"tokenizer {meta['tokenizer']!r}, eos_id {meta['eos_id']!r}")
-  except (OSError, ValueError, KeyError, TypeError) as error:
+  except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
     raise ConfigError(key, f"{file} is unreadable or incomplete ({error}); prepare the corpus "
                       "again with `meshtrain prepare`") from None
   return meta

@@ -47,7 +47,7 @@ class PreparedCorpus:
           or not isinstance(has_loss_mask, bool)):
         raise ValueError(f"format {meta['format']}, dtype {meta['dtype']}, "
                          f"loss_mask {has_loss_mask}")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
       raise ConfigError(key, f"{meta_file} is unreadable or incomplete ({error}); prepare the "
                         "corpus again") from None
     self.meta = meta

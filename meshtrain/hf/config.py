@@ -53,7 +53,7 @@ def read(directory, *, key: str) -> dict:
                       "(config.json, *.safetensors, tokenizer files)")
   try:
     hf = json.loads(file.read_text())
-  except ValueError as error:
+  except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
     raise ConfigError(key, f"{file} is not JSON ({error})") from None
   if not isinstance(hf, dict):
     raise ConfigError(key, f"{file} holds a JSON {type(hf).__name__}, not a model's config object")

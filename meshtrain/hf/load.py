@@ -41,7 +41,7 @@ class SafetensorsDir:
         text = index.read_text()
       try:
         weight_map = json.loads(text)["weight_map"]
-      except (ValueError, KeyError) as error:
+      except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise ConfigError(key, f"{index} is not a safetensors index ({error})") from None
     elif (self.directory / SINGLE_FILE).is_file():
       weight_map = dict.fromkeys(self._keys(self.directory / SINGLE_FILE), SINGLE_FILE)

@@ -27,7 +27,8 @@ def _restore_source(path: str) -> tuple[Checkpoints, int]:
   key, path = "config.checkpoint.restore_from", Path(path)
   directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
   if not directory.is_dir():
-    raise ConfigError(key, f"{path} does not exist; give a run's checkpoints directory "
+    found = "is a file" if path.is_file() else "does not exist"
+    raise ConfigError(key, f"{path} {found}; give a run's checkpoints directory "
                       "(WORKDIR/checkpoints) or one step directory in it")
   source = Checkpoints(directory, read_only=True, config_key=key)
   step = source.latest_step() if step is None else step

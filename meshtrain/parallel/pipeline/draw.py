@@ -5,10 +5,14 @@ import os
 import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.backend_bases import FigureCanvasBase
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from meshtrain.parallel.pipeline import measures, schedule as schedule_lib
+
+# The file types `draw_gantt` writes, by the path's extension.
+FORMATS = tuple(FigureCanvasBase.get_supported_filetypes())
 
 # F blue, B orange, W green; darker for later chunks.
 _COLORS = {schedule_lib.F: matplotlib.colormaps["Blues"],
