@@ -242,14 +242,15 @@ MAX_CHART_OPS = 3_000
 
 
 def _check_schedule_flags() -> None:
-  """--stages, --microbatches and --virtual, each named in its own error."""
+  """The schedule the flags name, as `schedules.check` sees it (the flag of its
+  wrong argument named), then the size of what this command prints and draws."""
+  arguments = {"name": _SCHEDULE, "num_stages": _STAGES, "num_microbatches": _MICROBATCHES,
+               "num_chunks": _VIRTUAL}
+  try:
+    schedules.check(**{argument: flag.value for argument, flag in arguments.items()})
+  except schedules.ArgumentError as error:
+    raise ConfigError(f"--{arguments[error.argument].name}", str(error)) from None
   sizes = (_STAGES, _MICROBATCHES, _VIRTUAL)
-  for flag in sizes:
-    if flag.value < 1:
-      raise ConfigError(f"--{flag.name}", f"is {flag.value}; give 1 or more")
-  if _VIRTUAL.value != 1 and _SCHEDULE.value != "interleaved_1f1b":
-    raise ConfigError("--virtual", f"is {_VIRTUAL.value}, but {_SCHEDULE.value} runs one chunk "
-                      "per stage; use --schedule=interleaved_1f1b, or --virtual=1")
   stages, microbatches, virtual = (flag.value for flag in sizes)
   cells = stages * (3 * virtual * microbatches + 2 * stages)  # about ticks x stages
   if cells > MAX_SCHEDULE_CELLS:
@@ -262,10 +263,6 @@ def _check_schedule_flags() -> None:
     raise ConfigError("--out", f"a chart of {stages} stages x {virtual} chunks x {microbatches} "
                       f"microbatches has {ops:,} ops, over the {MAX_CHART_OPS:,} it draws; give "
                       "fewer, or leave out --out (the table is printed)")
-  try:
-    schedules.check(_SCHEDULE.value, stages, microbatches, virtual)
-  except ValueError as error:  # what is left: interleaving's microbatches
-    raise ConfigError("--microbatches", str(error)) from None
 
 
 def _check_chart_path() -> None:

@@ -217,6 +217,8 @@ CASES = [
     ("schedule", ["--stages=0"], "--stages"),
     ("schedule", ["--microbatches=-3"], "--microbatches"),
     ("schedule", ["--virtual=2"], "--virtual"),  # 1f1b: one chunk per stage
+    ("schedule", ["--virtual=0"], "--virtual"),
+    ("schedule", ["--stages=0", "--virtual=2"], "--stages"),  # a size below 1 first
     ("schedule", ["--schedule=interleaved_1f1b", "--virtual=2", "--microbatches=6"],
      "--microbatches"),
     ("schedule", ["--microbatches=1000000"], "--microbatches"),  # would take minutes

@@ -156,18 +156,23 @@ def test_validator_catches_a_read_of_the_wrong_slot():
     checks.validate(broken)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: schedule_lib.one_f_one_b(0, 4), "num_stages must be a positive"),
-    (lambda: schedule_lib.gpipe(4, 0), "num_microbatches must be a positive"),
-    (lambda: schedule_lib.gpipe(2.5, 4), "num_stages must be a positive"),
-    (lambda: schedule_lib.interleaved_one_f_one_b(4, 8, 0), "num_chunks must be a positive"),
-    (lambda: schedule_lib.interleaved_one_f_one_b(4, 6, 2), "multiple of num_stages"),
-    (lambda: schedule_lib.build("zero_bubble", 4, 8), "choose one of gpipe"),
-    (lambda: schedule_lib.build("zb_h1", 4, 8, 2), "use interleaved_1f1b"),
+@pytest.mark.parametrize("call, argument, message", [
+    (lambda: schedule_lib.one_f_one_b(0, 4), "num_stages", "num_stages must be a positive"),
+    (lambda: schedule_lib.gpipe(4, 0), "num_microbatches", "num_microbatches must be a positive"),
+    (lambda: schedule_lib.gpipe(2.5, 4), "num_stages", "num_stages must be a positive"),
+    (lambda: schedule_lib.interleaved_one_f_one_b(4, 8, 0), "num_chunks",
+     "num_chunks must be a positive"),
+    (lambda: schedule_lib.interleaved_one_f_one_b(4, 6, 2), "num_microbatches",
+     "multiple of num_stages"),
+    (lambda: schedule_lib.build("zero_bubble", 4, 8), "name", "choose one of gpipe"),
+    (lambda: schedule_lib.build("zb_h1", 4, 8, 2), "num_chunks", "use interleaved_1f1b"),
+    (lambda: schedule_lib.check("zb_h1", 0, 8, 2), "num_stages",  # sizes first
+     "num_stages must be a positive"),
 ])
-def test_bad_inputs_raise_clear_errors(call, message):
-  with pytest.raises(ValueError, match=message):
+def test_bad_inputs_raise_clear_errors(call, argument, message):
+  with pytest.raises(schedule_lib.ArgumentError, match=message) as error:
     call()
+  assert error.value.argument == argument
 
 
 def test_to_text_shows_one_op_per_tick():

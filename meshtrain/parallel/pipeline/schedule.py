@@ -436,16 +436,28 @@ def build(name: str, num_stages: int, num_microbatches: int,
   return table
 
 
+class ArgumentError(ValueError):
+  """Arguments no schedule is built from; `argument` names the wrong one:
+  "name", "num_stages", "num_microbatches" or "num_chunks" (for several, the
+  first that `check` looks at)."""
+
+  def __init__(self, argument: str, message: str):
+    super().__init__(message)
+    self.argument = argument
+
+
 def check(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
-  """Raises the ValueError that `build` would for these arguments, without
-  building the table (which takes seconds for thousands of microbatches)."""
+  """Raises the ArgumentError that `build` would for these arguments, without
+  building the table (which takes seconds for thousands of microbatches). It
+  looks at the name, then each size (a positive integer), then how the sizes
+  fit the schedule."""
   if name not in SCHEDULE_NAMES:
-    raise ValueError(f"unknown pipeline schedule {name!r}: choose one of "
-                     f"{', '.join(SCHEDULE_NAMES)}")
-  if name != "interleaved_1f1b" and num_chunks != 1:
-    raise ValueError(f"{name} runs one chunk per stage, got num_chunks="
-                     f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
+    raise ArgumentError("name", f"unknown pipeline schedule {name!r}: choose one of "
+                        f"{', '.join(SCHEDULE_NAMES)}")
   _check_sizes(num_stages, num_microbatches, num_chunks)
+  if name != "interleaved_1f1b" and num_chunks != 1:
+    raise ArgumentError("num_chunks", f"{name} runs one chunk per stage, got num_chunks="
+                        f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
   if name == "interleaved_1f1b":
     _check_interleaving(num_stages, num_microbatches, num_chunks)
 
@@ -463,12 +475,13 @@ def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> Non
                num_chunks=num_chunks)
   for key, value in sizes.items():
     if not isinstance(value, int | np.integer) or value < 1:
-      raise ValueError(f"{key} must be a positive integer, got {value!r}")
+      raise ArgumentError(key, f"{key} must be a positive integer, got {value!r}")
 
 
 def _check_interleaving(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
   if num_chunks > 1 and num_microbatches % num_stages:
-    raise ValueError(
-        f"interleaved_1f1b needs num_microbatches to be a multiple of num_stages (Megatron's "
-        f"rule), got {num_microbatches} microbatches on {num_stages} stages: use "
-        f"{num_stages * max(1, round(num_microbatches / num_stages))} microbatches, or num_chunks=1")
+    raise ArgumentError(
+        "num_microbatches", f"interleaved_1f1b needs num_microbatches to be a multiple of "
+        f"num_stages (Megatron's rule), got {num_microbatches} microbatches on {num_stages} "
+        f"stages: use {num_stages * max(1, round(num_microbatches / num_stages))} microbatches, "
+        "or num_chunks=1")
