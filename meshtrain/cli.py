@@ -201,10 +201,9 @@ def _search(cfg) -> None:
   if _COMPILE.value:
     raise ConfigError("--compile", "is read by plan without --search (it compiles the config's "
                       "own layout); remove it, or plan one layout with --config.mesh.*")
-  for flag in (_TOP, _GLOBAL_BATCH, _SEQ_LEN):
-    if flag.value is not None and flag.value < 1:
-      raise ConfigError(f"--{flag.name}", f"is {flag.value}; give a positive number")
-  for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # the limits of the config keys they replace
+  if _TOP.value < 1:
+    raise ConfigError("--top", f"is {_TOP.value}; give a positive number")
+  for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # the rules of the config keys they replace
     problem = flag.value is not None and validate.RULES[flag.name](flag.value)
     if problem:
       raise ConfigError(f"--{flag.name}", f"{problem} (as config.{flag.name})")
