@@ -206,7 +206,21 @@ def _type_problem(value, default) -> str | None:
 
 
 def check_config(cfg) -> None:
-  """Keys, types, ranges and keys made idle by others: everything that needs no device."""
+  """`check_values`, then the files the config names (its tokenizer, its text
+  data): everything that needs no device."""
+  check_values(cfg)
+  if cfg.tokenizer:  # used by samples and exports, after the run: load it now
+    tokenizers.load(cfg.tokenizer, key="config.tokenizer")
+  if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).is_file():
+    found = "is a folder" if Path(cfg.data.path).is_dir() else "not found"
+    raise ConfigError("config.data.path", f"file '{cfg.data.path}' {found}; point "
+                      "config.data.path at a UTF-8 text file")
+
+
+def check_values(cfg) -> None:
+  """Keys, types, ranges, keys made idle by others and the job's settings: what
+  `check_config` checks without reading a file, and all that a change of
+  values alone (an import's model) needs checked again."""
   defaults = config_keys()
   values = _leaves(cfg)
   for key in values:
@@ -223,12 +237,6 @@ def check_config(cfg) -> None:
   _check_ignored(cfg, values, defaults, sizes=None)
   _check_rope_scaling(cfg.model)
   distributed.check(cfg.distributed)
-  if cfg.tokenizer:  # used by samples and exports, after the run: load it now
-    tokenizers.load(cfg.tokenizer, key="config.tokenizer")
-  if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).is_file():
-    found = "is a folder" if Path(cfg.data.path).is_dir() else "not found"
-    raise ConfigError("config.data.path", f"file '{cfg.data.path}' {found}; point "
-                      "config.data.path at a UTF-8 text file")
 
 
 def _check_rope_scaling(model) -> None:

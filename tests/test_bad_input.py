@@ -1,7 +1,9 @@
 """Bad input through the CLI (in-process, as `meshtrain COMMAND ...` parses it):
 each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
-traceback, and the workdir byte for byte as it was."""
+traceback, and the workdir byte for byte as it was. Also: the config checks
+that start-up runs before it fails or starts processes, each run once."""
 
+import collections
 import hashlib
 import json
 import shutil
@@ -9,9 +11,9 @@ import shutil
 import pytest
 
 from conftest import REPO, micro_config, micro_flags
-from meshtrain import cli
+from meshtrain import cli, validate
 from meshtrain.checkpoint import Checkpoints
-from meshtrain.data import make_iterator
+from meshtrain.data import make_iterator, tokenizer as tokenizers
 from meshtrain.train.setup import build
 
 PIPELINE = ["--config.mesh.data=4", "--config.mesh.pipeline=2"]
@@ -368,3 +370,35 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
   assert "Traceback" not in stderr
   assert tree_digest(tmp_path) == before
 
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["import-hf", "launch-import-hf"])
+def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_path, capsys,
+                                                                monkeypatch):
+  """import-hf (up to the garbled weights, read after every check) and launch
+  -- import-hf (up to starting the processes) run `validate.check_config` once,
+  so the config's tokenizer loads once; the imported model is checked by
+  `validate.check_values`, which loads nothing."""
+  monkeypatch.chdir(tmp_path)
+  for name in ("hf_garbled/config.json", "hf_garbled/model.safetensors"):
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(DATA_FILES[name])
+  calls = collections.Counter()
+
+  def counted(module, name):
+    function = getattr(module, name)
+    def wrapper(*args, **kwargs):
+      calls[name] += 1
+      return function(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapper)
+  counted(validate, "check_config")
+  counted(tokenizers, "load")
+  monkeypatch.setattr(cli.launch, "launch", lambda *args, **kwargs: 0)  # starts no process
+  args = ["import-hf", "--from=hf_garbled", "--to=imported", "--config.tokenizer=bytes"]
+  args = ["launch", "--", *args] if launched else args
+  code, stderr = meshtrain(args[0], args[1:], capsys)
+  assert calls == {"check_config": 1, "load": 1}, stderr
+  if launched:
+    assert (code, stderr) == (0, ""), stderr
+  else:  # the weights, read after every check
+    assert code == 2 and stderr.startswith("error: --from: ") and "safetensors" in stderr, stderr

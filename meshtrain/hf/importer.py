@@ -24,14 +24,16 @@ PREFIX = "hf:"  # config.init_from=hf:DIR
 
 def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
   """Checks `source` and `workdir` before anything is written and sets `cfg`'s
-  model, workdir and tokenizer for the import. Returns the source's config and
-  whether it has a tokenizer."""
+  model, workdir and tokenizer for the import. `cfg` is one that
+  `validate.check_config` passed (the CLI checks it before); with the model
+  set, its values are checked again, a failure there being the model's. Returns
+  the source's config and whether it has a tokenizer."""
   hf = hf_config.read(source, key="--from")
   run = (workdir / "checkpoints").exists() or (workdir / "config.json").exists()
   saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
   try:
     cfg.model.update(hf_config.model_keys(hf))
-    validate.check_config(cfg)
+    validate.check_values(cfg)
   except (ConfigError, TypeError) as error:  # TypeError: a value of the wrong type
     raise ConfigError("--from", f"{source / hf_config.CONFIG_FILE} does not make a model "
                       f"meshtrain runs ({error})") from None

@@ -139,7 +139,8 @@ def init_from(cfg, setup: Setup) -> TrainState:
 
 def import_hf(cfg, source, workdir) -> Path:
   """Writes `workdir` from the Hugging Face model in `source` on the mesh of
-  `cfg`: its files (`meshtrain.hf.importer`) and a step-0 checkpoint."""
+  `cfg` (a config `validate.check_config` passed): its files
+  (`meshtrain.hf.importer`) and a step-0 checkpoint."""
   source, workdir = Path(source), Path(workdir).absolute()
   hf, has_tokenizer = importer.prepare(cfg, source, workdir)
   setup = build(cfg)
