@@ -1,11 +1,13 @@
 """Bad input through the CLI (in-process, as `meshtrain COMMAND ...` parses it):
 each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
-traceback, and the workdir byte for byte as it was. Also: the config checks
-that start-up runs before it fails or starts processes, each run once."""
+traceback, and the workdir byte for byte as it was. Also: README.md's count
+of these cases, and the config checks that start-up runs before it fails or
+starts processes, each run once."""
 
 import collections
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -309,6 +311,13 @@ DATA_FILES = {
         "zero_flops": {"peak_flops": 0}, "text_flops": {"peak_flops": "fast"},
         "half_host": {"devices_per_host": 2.5}, "nan_memory": {"hbm_bytes": float("nan")}}.items()},
 }
+
+
+def test_readme_gives_the_number_of_cases():
+  said = re.search(r"`tests/test_bad_input\.py`\s+runs\s+(\d+)\s+such\s+cases",
+                   (REPO / "README.md").read_text())
+  assert said, "README.md no longer says how many cases tests/test_bad_input.py runs"
+  assert int(said[1]) == len(CASES)
 
 
 @pytest.fixture(scope="module")
