@@ -197,6 +197,9 @@ CASES = [
     ("plan", ["--search", "--devices=8", "--global_batch=-4"], "--global_batch"),
     ("plan", ["--search", "--devices=8", "--seq_len=1000000000000"], "--seq_len"),
     ("plan", ["--search", "--devices=8", "--compile"], "--compile"),  # plan without --search's
+    ("plan", ["--search", "--devices=8", "--config.mesh.tensor=2"], "config.mesh.tensor"),
+    ("plan", ["--search", "--devices=8", "--config.mesh.across_hosts=data"],
+     "config.mesh.across_hosts"),  # the search chooses it too
     ("plan", ["--search", "--devices=8", "--mesh=data=²"], "--mesh"),
     ("plan", ["--search", "--devices=8", "--mesh=data=2,data=4"], "--mesh"),
     ("plan", ["--search", "--devices=8", "--cluster=nosuch"], "--cluster"),
