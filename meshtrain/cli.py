@@ -25,7 +25,7 @@ from meshtrain.analysis import clusters, search, selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
-from meshtrain.data.prepare import INPUT_FORMATS, prepare
+from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
@@ -82,8 +82,8 @@ _FORMAT = flags.DEFINE_enum("format", "text", INPUT_FORMATS, "prepare: text: doc
 _TOKENIZER = flags.DEFINE_string("tokenizer", "bytes", "prepare: bytes | PATH to a tokenizer.json "
                                  "(or its directory, or a prepared corpus) | train:N (a BPE of N "
                                  "ids); --format chat: a Hugging Face tokenizer directory")
-_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "prepare: the JSONL field / Parquet column "
-                                  "holding the text")
+_TEXT_FIELD = flags.DEFINE_string("text_field", TEXT_FIELD, "prepare: the JSONL field / Parquet "
+                                  "column holding the text")
 _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: blank lines separate "
                                        "documents in text files (default: one document per file)")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "

@@ -272,6 +272,9 @@ CASES = [
     ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--tokenizer=train:99999999999"],
      "--tokenizer"),
     ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--tokenizer=train:²"], "--tokenizer"),
+    ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--text_field=body"], "--text_field"),
+    ("prepare", ["--input={tmp}/surrogate.jsonl", "--out={tmp}/out", "--format=chat",
+                 "--text_field=body"], "--text_field"),  # chat reads "messages"
     # a run's workdir, a Hugging Face model, generate's and export-hf's flags
     ("eval", ["--workdir={tmp}/list_run"], "--workdir"),
     ("eval", ["--workdir={tmp}/garbled_run"], "--workdir"),

@@ -80,6 +80,7 @@ PIECE_CHARS = 1 << 20    # a long document is encoded in pieces of about this ma
 BATCH_CHARS = 4 << 20    # characters per encode_batch call (its encodings take tens of times that)
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+TEXT_FIELD = "text"  # the JSONL field / Parquet column read unless `prepare` is told another
 
 # A piece of a document: its text, whether it starts and whether it ends the document.
 Piece = tuple[str, bool, bool]
@@ -256,11 +257,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_format: str = "text",
-            text_field: str = "text", split_blank_lines: bool = False,
+            text_field: str = TEXT_FIELD, split_blank_lines: bool = False,
             val_fraction: float = 0.05) -> dict:
   """Tokenizes `inputs` into the directory `out` (module docstring); returns its meta.
   `input_format` "text" reads documents (text files, `text_field` of JSONL and
-  Parquet), "chat" conversations from JSONL (`data/chat.py`)."""
+  Parquet), "chat" conversations from JSONL (`data/chat.py`); a `text_field`
+  other than TEXT_FIELD where no input is read by field is refused."""
   out_dir = Path(out)
   if out_dir.exists():
     raise ConfigError("--out", f"{out} already exists; remove it or choose another directory")
@@ -269,6 +271,7 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_forma
   if not 0 <= val_fraction < 1:
     raise ConfigError("--val_fraction", f"is {val_fraction}; use a share in [0, 1)")
   files = input_files(inputs)
+  _check_text_field(files, input_format, text_field)
   total_bytes = sum(_size(f) for f in files)
   corpus = (_chat_corpus(files, tokenizer_spec) if input_format == "chat" else
             _text_corpus(files, tokenizer_spec, total_bytes, text_field=text_field,
@@ -359,6 +362,20 @@ def _encode_conversations(tokenizer: tk.HuggingFaceTokenizer, template: chat.Cha
                           batch: list[chat.Conversation]) -> Encoded:
   ids, masks = chat.encode(tokenizer, template, batch)
   return Encoded(ids, [True] * len(ids), masks, sum(conversation.size for conversation in batch))
+
+
+def _check_text_field(files: Sequence[Path], input_format: str, text_field: str) -> None:
+  """`text_field` set away from TEXT_FIELD is an error where nothing reads it:
+  conversations (their "messages"), or inputs that are all plain text."""
+  if text_field == TEXT_FIELD:
+    return
+  if input_format == "chat":
+    why = "--format chat reads each line's \"messages\""
+  elif not any(f.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES for f in files):
+    why = f"every input is plain text (none ends in {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)})"
+  else:
+    return
+  raise ConfigError("--text_field", f"is {text_field!r} but ignored: {why}; remove it")
 
 
 def _first_missing(directory: Path) -> Path | None:
