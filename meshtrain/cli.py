@@ -174,6 +174,8 @@ def plan_command(argv: list[str]) -> None:
     raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
                       "config's own layout with --config.mesh.* and --config.global_batch")
   if _COMPILE.value and _DEVICES.value:
+    _check_simulated("--devices", _DEVICES.value, "; or plan more devices without --compile, "
+                     "which only does arithmetic")
     validate.check_devices(cfg, _DEVICES.value)  # before simulating that many devices
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
@@ -181,6 +183,15 @@ def plan_command(argv: list[str]) -> None:
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
   report = plan(cfg, devices, _COMPILE.value)
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+
+
+def _check_simulated(flag: str, count: int, other_fix: str = "") -> None:
+  """`count` simulated CPU devices of one process, given by `flag`, by the rule
+  of config.simulate_devices, which the flag sets; `other_fix` ends the message."""
+  problem = validate.RULES["simulate_devices"](count)
+  if problem:
+    raise ConfigError(flag, f"{problem} (simulated CPU devices of one process, as "
+                      f"config.simulate_devices){other_fix}")
 
 
 def _costs(text: str) -> tuple[float, float, float]:
@@ -483,9 +494,7 @@ def launch_command(argv: list[str]) -> None:
   if not 1 <= num_processes <= MAX_PROCESSES:
     raise ConfigError("--num_processes", f"is {num_processes}; start 1 to {MAX_PROCESSES} "
                       "processes (all of them on this machine)")
-  if devices_per_process < 0:
-    raise ConfigError("--devices_per_process", f"is {devices_per_process}; give 0 (the config's "
-                      "simulate_devices) or a number of simulated CPU devices")
+  _check_simulated("--devices_per_process", devices_per_process)  # 0: the config's
   max_restarts = _MAX_RESTARTS.value  # read before the command's own flags are parsed
   if max_restarts < 0:
     raise ConfigError("--max_restarts", f"is {max_restarts}; give 0 (none) or more")

@@ -61,6 +61,11 @@ def not_empty(value) -> str | None:
   return None if str(value).strip() else "is empty; give a value"
 
 
+# The most simulated CPU devices of one process: XLA's CPU backend compiles over
+# at most 2048 (jax 0.10: 2049 fail with "Multiprocess computations aren't
+# implemented"), and making tens of thousands takes minutes and gigabytes.
+MAX_SIMULATED_DEVICES = 2048
+
 RULES: dict[str, Rule] = {
     "seed": within(0, 2**32 - 1),
     "workdir": not_empty,
@@ -72,7 +77,7 @@ RULES: dict[str, Rule] = {
     "compute_dtype": one_of(setup.DTYPES),
     "remat": one_of(setup.REMAT),
     "zero_stage": one_of(setup.r.ZERO_STAGES),
-    "simulate_devices": at_least(0),
+    "simulate_devices": within(0, MAX_SIMULATED_DEVICES),
     "peak_flops": at_least(0),
     "log_every": at_least(1),
     "nan_policy": one_of(setup.NAN_POLICIES),

@@ -49,6 +49,7 @@ CASES = [
     ("train", ["--config.log_every=0"], "config.log_every"),
     ("train", ["--config.seed=-1"], "config.seed"),
     ("train", ["--config.simulate_devices=-1"], "config.simulate_devices"),
+    ("train", ["--config.simulate_devices=100000"], "config.simulate_devices"),  # would hang
     ("train", ["--config.peak_flops=-1"], "config.peak_flops"),
     ("train", ["--config.peak_flops=inf"], "config.peak_flops"),
     ("train", ["--config.model.num_layers=0"], "config.model.num_layers"),
@@ -209,6 +210,7 @@ CASES = [
     ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_half_host.json"], "--cluster"),
     ("plan", ["--search", "--devices=8", "--cluster={tmp}/cluster_nan_memory.json"], "--cluster"),
     ("plan", ["--devices=7", "--compile"], "config.global_batch"),  # before making 7 devices
+    ("plan", ["--devices=4096", "--compile", "--config.global_batch=4096"], "--devices"),
     ("train", ["--config.seq_len=3000000000"], "config.seq_len"),  # int32 positions
     ("train", ["--config.workdir={tmp}/checkpoints_file"], "config.workdir"),
     ("train", ["--config.checkpoint.restore_from={tmp}/a_file"], "config.checkpoint.restore_from"),
@@ -241,6 +243,7 @@ CASES = [
     ("schedule", ["--out={tmp}/missing/chart.png"], "--out"),
     ("launch", ["--num_processes=0", "--", "train"], "--num_processes"),
     ("launch", ["--devices_per_process=-1", "--", "train"], "--devices_per_process"),
+    ("launch", ["--devices_per_process=100000", "--", "train"], "--devices_per_process"),
     ("launch", ["--"], "launch"),
     ("launch", ["--num_processes=2", "--", "train", "--config.stepz=1"], "config.stepz"),
     ("launch", ["--num_processes=2", "--devices_per_process=4", "--", "train",
