@@ -2,7 +2,7 @@
 each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
 traceback, and the workdir byte for byte as it was. Also: README.md's count
 of these cases, and the config checks that start-up runs before it fails or
-starts processes, each run once."""
+starts processes, each run once, and the config's tokenizer read once."""
 
 import collections
 import hashlib
@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import tokenizers as hf_tokenizers
 
 from conftest import REPO, micro_config, micro_flags
 from meshtrain import cli, validate
@@ -420,3 +421,23 @@ def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_pat
     assert (code, stderr) == (0, ""), stderr
   else:  # the weights, read after every check
     assert code == 2 and stderr.startswith("error: --from: ") and "safetensors" in stderr, stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "export-hf"])
+def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run, tmp_path, capsys,
+                                                           monkeypatch):
+  """generate and export-hf load config.tokenizer in their start-up check and
+  again to use it; the files are read once (the sampling itself is stubbed)."""
+  monkeypatch.chdir(tmp_path)
+  words = hf_tokenizers.Tokenizer(hf_tokenizers.models.WordLevel(
+      {"<|endoftext|>": 0, "a": 1}, unk_token="<|endoftext|>"))
+  words.pre_tokenizer = hf_tokenizers.pre_tokenizers.Whitespace()
+  words.save("tokenizer.json")
+  monkeypatch.setattr(cli.generate, "from_workdir", lambda *args, **kwargs: (
+      lambda prompts, *sampling: [[1] for _ in prompts]))
+  tokenizers._load.cache_clear()
+  own = {"generate": ["--prompt=a"], "export-hf": ["--to=exported"]}[command]
+  args = [f"--workdir={trained_run}", "--config.tokenizer=tokenizer.json", *own]
+  code, stderr = meshtrain(command, args, capsys)
+  assert code in (0, None), stderr
+  assert tokenizers._load.cache_info().misses == 1

@@ -16,6 +16,7 @@ Specs (`meshtrain prepare --tokenizer`, `load`):
   train:N            (prepare only) a byte-level BPE of N ids trained on the input
 """
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ META_FILE = "meta.json"  # a prepared corpus: {"tokenizer": "bytes" | "tokenizer
 # tokenizer families in use (Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma).
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+# Beside a tokenizer.json, where its special tokens are named, first found first.
+TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 TRAINED_EOS = "<|endoftext|>"
 MAX_VOCAB = 2**32  # ids a prepared corpus can hold (uint32)
 
@@ -90,9 +93,35 @@ def document_ids(tokenizer: Tokenizer, texts: Sequence[str], *,
 
 def load(spec: str, *, key: str) -> Tokenizer:
   """The tokenizer `spec` names (module docstring); `key` is the flag or config
-  key that gave it, for the error message."""
+  key that gave it, for the error message. A load is kept while the files it
+  reads stay as they were (resolved path, inode, size, modification time), so
+  a command that checks a tokenizer at start-up and uses it later reads it
+  once: the tokenizer returned is shared, to be used and not changed."""
   if spec == "bytes":
     return ByteTokenizer()
+  return _load(spec, key, _files_read(Path(spec)))
+
+
+def _files_read(path: Path) -> tuple[tuple[Path, tuple[int, int, int] | None], ...]:
+  """The files a load of `path` reads, resolved, each with its inode, size and
+  modification time in ns (None where it is absent or cannot be read)."""
+  folder, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
+  return tuple((f.resolve(), _identity(f)) for f in (
+      path / META_FILE, file, *(folder / name for name in TOKENIZER_CONFIGS)))
+
+
+def _identity(file: Path) -> tuple[int, int, int] | None:
+  try:
+    status = file.stat()
+  except OSError:
+    return None
+  return status.st_ino, status.st_size, status.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _load(spec: str, key: str, files_read: tuple) -> Tokenizer:
+  """`load` of a path; `files_read` (`_files_read`) is only the cache's key."""
+  del files_read
   path = Path(spec)
   meta = _prepared_meta(path, key)
   if meta.get("tokenizer") == "bytes":
@@ -152,7 +181,7 @@ def _prepared_meta(path: Path, key: str) -> dict:
 
 def _tokenizer_config(directory: Path) -> dict:
   """`tokenizer_config.json` (or `special_tokens_map.json`) beside the tokenizer, if any."""
-  for name in ("tokenizer_config.json", "special_tokens_map.json"):
+  for name in TOKENIZER_CONFIGS:
     try:
       config = json.loads((directory / name).read_text())
     except (OSError, ValueError, RecursionError):

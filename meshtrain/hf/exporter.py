@@ -66,9 +66,9 @@ def check_target(directory) -> None:
   saved_run.check_new_directory(directory, "--to", "a model" if model else None)
 
 
-def _tokenizer_files(cfg, directory: Path) -> list[str]:
-  """Writes the run's tokenizer files into `directory`; returns their names."""
-  tokenizer = tokenizers.for_config(cfg)
+def _tokenizer_files(cfg, tokenizer: tokenizers.Tokenizer, directory: Path) -> list[str]:
+  """Writes the run's tokenizer files (`tokenizer`, loaded from `cfg`) into
+  `directory`; returns their names."""
   if not isinstance(tokenizer, tokenizers.HuggingFaceTokenizer):
     return []  # bytes: Hugging Face has no tokenizer file for it
   tokenizer.save(directory)
@@ -99,7 +99,7 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
   dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
   if dtype not in DTYPES:
     raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
-  tokenizers.for_config(cfg)  # an unreadable tokenizer fails here, before anything is written
+  tokenizer = tokenizers.for_config(cfg)  # an unreadable one fails here, before anything is written
   family = (source or {}).get("model_type") or hf_config.family(cfg.model)  # or refused here
   weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
                        else 0)
@@ -124,9 +124,8 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     names.append(INDEX_FILE)
   hf = hf_config.to_hf(cfg.model, dtype, source)
-  tokenizer = tokenizers.for_config(cfg)
   if source is None:  # a model trained here: what generation needs to know
     hf.update(max_position_embeddings=cfg.seq_len, eos_token_id=tokenizer.eos_id,
               bos_token_id=tokenizer.bos_id)
   (directory / "config.json").write_text(json.dumps(hf, indent=2))
-  return names + ["config.json"] + _tokenizer_files(cfg, directory)
+  return names + ["config.json"] + _tokenizer_files(cfg, tokenizer, directory)
