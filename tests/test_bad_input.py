@@ -103,6 +103,8 @@ CASES = [
      "config.model.moe.grouped_gemm"),  # no Hopper GPU here
     ("train", ["--config.model.moe.num_experts=4", "--config.expert_parallel=tensor"],
      "config.expert_parallel"),
+    ("train", [*PIPELINE, "--config.model.moe.num_experts=4", "--config.expert_parallel=data"],
+     "config.expert_parallel"),  # the pipeline holds `data` itself
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.first_dense_layers=2"],
      "config.model.moe.first_dense_layers"),
     ("train", ["--config.model.moe.num_experts=8", "--config.model.moe.capacity_factor=-1"],

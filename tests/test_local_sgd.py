@@ -104,10 +104,12 @@ def test_outer_optimizers_apply_the_momentum_they_name(name, expected):
     chex.assert_trees_all_close(got, want, rtol=1e-6)
 
 
-def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_steps):
+def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_steps,
+                     model_state=None):
   """DiLoCo, one replica at a time on one device: each runs `inner_steps` steps
   of `inner` on its rows, keeping its own inner state; `outer` applies the mean
-  of (shared - replica) to the shared weights."""
+  of (shared - replica) to the shared weights. `model_state`: the model's own
+  (an MoE's selection biases), held fixed."""
   outer_state = outer.init(shared)
   inner_states = [inner.init(shared) for _ in range(replicas)]
   losses = np.zeros(len(batches))
@@ -117,7 +119,7 @@ def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_st
       rows = [{k: np.split(v, replicas)[i] for k, v in b.items()}
               for b in batches[start:start + inner_steps]]
       replica_losses, params, inner_states[i] = reference_run(
-          graphdef, shared, inner, rows, opt_state=inner_states[i])
+          graphdef, shared, inner, rows, opt_state=inner_states[i], model_state=model_state)
       losses[start:start + inner_steps] += replica_losses / replicas
       ends.append(params)
     delta = jax.tree.map(lambda old, *new: old - sum(new) / replicas, shared, *ends)
@@ -126,12 +128,17 @@ def diloco_reference(graphdef, shared, inner, outer, batches, replicas, inner_st
   return losses, shared
 
 
+# Mixture-of-Experts, the experts over `fsdp` (each replica holds them all).
+MOE = {"model.moe.num_experts": 4, "model.moe.experts_per_token": 2, "model.moe.mlp_dim": 32,
+       "model.moe.aux_loss_coef": 0.0}
 DILOCO_CASES = [
     {"mesh.fsdp": 2, "mesh.tensor": 2},
     *({"mesh.sequence": 2, "mesh.tensor": 2, "attention.sequence_strategy": strategy}
       for strategy in ("ring", "ulysses", "all_gather_kv")),
     {"mesh.pipeline": 2, "mesh.tensor": 2, "pipeline.microbatches": 2, "grad_accum_steps": 2,
-     "model.num_layers": 3, "pipeline.stage_layers": "2,1"}]
+     "model.num_layers": 3, "pipeline.stage_layers": "2,1"},
+    *({**MOE, "mesh.fsdp": 2, "mesh.tensor": 2, **changes}
+      for changes in ({}, {"mesh.pipeline": 2, "mesh.tensor": 1}))]
 
 
 @pytest.mark.parametrize("changes", [
@@ -145,7 +152,8 @@ def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
   ref_losses, ref_params = diloco_reference(setup.spec.graphdef, from_stage_slots(cfg, initial),
                                             setup.optimizer, outer, batches, replicas=2,
-                                            inner_steps=2)
+                                            inner_steps=2,
+                                            model_state=from_stage_slots(cfg, state.model_state))
   chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(from_stage_slots(cfg, state.outer.params), ref_params, rtol=1e-5,
                               atol=1e-3 * cfg.optimizer.learning_rate)

@@ -403,6 +403,25 @@ def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_
   assert measured["all-to-all", "fsdp"].count == planned["all-to-all", "fsdp"]["count"]
 
 
+def test_experts_in_the_pipeline_stay_split_and_take_tokens_by_all_to_all():
+  """Read from the compiled step of pipeline=2 x fsdp=2 x tensor=2 (1F1B): in
+  the stages' work the tokens reach the experts by all-to-all over `fsdp`, no
+  all-gather holds every expert, and the only collective-permutes are the
+  pipeline's own (one over other axes inside a stage's conditional would wait
+  on XLA:CPU for devices of the other stage)."""
+  cfg = micro_config(**MOE, **{"mesh.data": 1, "mesh.pipeline": 2, "mesh.fsdp": 2,
+                               "mesh.tensor": 2})
+  setup = build(cfg)
+  compiled = compile_step(setup)
+  e, d, f = 8, cfg.model.embed_dim, cfg.model.moe.mlp_dim // 2
+  module = hlo._parse_module(compiled.as_text())
+  gathered = [i.shape for i in module.instructions() if i.opcode.startswith("all-gather")]
+  assert not [s for s in gathered if f"{e},{d},{f}" in s or f"{e},{f},{d}" in s], gathered
+  collectives = hlo.collectives(compiled, setup.mesh)
+  assert {c.axis for c in collectives if c.kind == "all-to-all"} == {"fsdp"}
+  assert {c.axis for c in collectives if c.kind == "collective-permute"} == {"pipeline"}
+
+
 def moe_run_config(workdir, **changes):
   return micro_config(**{**MOE, "model.moe.aux_loss_coef": 0.01,
                          "model.moe.bias_update_rate": 1e-2, "workdir": str(workdir), "steps": 6,
@@ -441,18 +460,25 @@ def test_training_logs_balance_moves_the_bias_and_resumes_bit_exactly(tmp_path):
 
 PIPELINED = {
     f"pipeline=2 fsdp=4 {schedule}": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
-                                          expert_parallel="", pipeline=dict(schedule=schedule))
+                                          pipeline=dict(schedule=schedule))
     for schedule in ("1f1b", "zb_h1", "zb_h2", "gpipe")}
 PIPELINED.update({
+    "pipeline=2 fsdp=4 experts whole": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
+                                            expert_parallel=""),
+    "pipeline=2 fsdp=2 tensor=2": dict(mesh=dict(data=1, pipeline=2, fsdp=2, tensor=2)),
+    "pipeline=2 fsdp=2 tensor=2 experts whole": dict(mesh=dict(data=1, pipeline=2, fsdp=2,
+                                                               tensor=2), expert_parallel=""),
+    "pipeline=2 fsdp=2 sequence=2 ulysses": dict(mesh=dict(data=1, pipeline=2, fsdp=2, sequence=2),
+                                                 attention=dict(sequence_strategy="ulysses")),
     "pipeline=2 data=2 fsdp=2 interleaved, first layer dense": dict(
-        mesh=dict(data=2, pipeline=2, fsdp=2), expert_parallel="", model=dict(
+        mesh=dict(data=2, pipeline=2, fsdp=2), model=dict(
             num_layers=5, moe=dict(first_dense_layers=1)),
         pipeline=dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=2)),
     "pipeline=2 data=2 tensor=2 accumulate 2, switch loss": dict(
-        mesh=dict(data=2, pipeline=2, tensor=2), expert_parallel="", grad_accum_steps=2,
+        mesh=dict(data=2, pipeline=2, tensor=2), grad_accum_steps=2,
         pipeline=dict(microbatches=2), model=dict(moe=dict(aux_loss_coef=0.01))),
     "pipeline=2 fsdp=4 uneven stages, bias balancing, switch loss": dict(
-        mesh=dict(data=1, pipeline=2, fsdp=4), expert_parallel="",
+        mesh=dict(data=1, pipeline=2, fsdp=4),
         pipeline=dict(stage_layers="3,1"), model=dict(num_layers=4, moe=dict(
             aux_loss_coef=0.01, bias_update_rate=0.01)))})
 

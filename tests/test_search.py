@@ -129,6 +129,16 @@ def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
     assert (dispatch > 0) == any(c.sizes[a] > 1 for a in axes if not (ulysses and a == "sequence"))
 
 
+def test_inside_a_pipeline_experts_split_over_the_axes_it_does_not_hold():
+  """The pipeline holds `data` and `sequence` manual, each stage's layers
+  whole over them: there the search splits Mixtral's experts over `fsdp`
+  alone, elsewhere over every token axis."""
+  cfg = load(REPO / "configs" / "mixtral_8x7b.py")
+  sizes = {"data": 2, "pipeline": 2, "fsdp": 2, "sequence": 2, "tensor": 1}
+  assert search.expert_layouts(cfg, sizes) == ["", "fsdp"]
+  assert len(search.expert_layouts(cfg, {**sizes, "pipeline": 1})) == 8
+
+
 # Rows the planner does not meet yet, each with why (docs/planner.md): strict,
 # so a row that starts to pass must leave this list. None at present.
 MISSES: dict[str, str] = {}

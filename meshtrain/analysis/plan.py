@@ -291,7 +291,8 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   """What `meshtrain.parallel.experts` moves, per forward and backward of
   every MoE layer on one device's `rows` x `length` tokens: the buckets of
   tokens to their experts' devices and the outputs back, in the compute
-  dtype (twice each way: forward, and the transposes in the backward), the
+  dtype (twice each way: forward, and the transposes in the backward, where a
+  pipeline's W sends the output gradients once more: docs/moe.md), the
   [n, E_local] counts (each forward), and under `tensor` the experts' partial
   outputs summed forward and their input gradients summed backward."""
   moe, m = cfg.model.moe, cfg.model
@@ -301,7 +302,8 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   capacity = experts.expert_capacity(rows * length, rows, moe.experts_per_token, local,
                                      model_config(cfg).moe.capacity(cfg.seq_len))
   bucket = jnp.dtype(cfg.compute_dtype).itemsize * n * capacity * m.embed_dim
-  comm.add("all-to-all", set(axes), bucket, mesh, 2 * (forwards + 1) * moe_passes)
+  w_resends = _sizes(mesh)["pipeline"] > 1
+  comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
   comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
 

@@ -576,14 +576,13 @@ def meshtrain_runs(cfg, c: Candidate, cfg_c=None) -> str:
 def expert_layouts(cfg, sizes: dict) -> list[str | None]:
   """The values of `config.expert_parallel` worth trying on a mesh: every
   expert on every device, and each set of the token axes that split the
-  mesh whose devices split the experts evenly (none inside a pipeline).
-  [None] for a dense model."""
+  mesh whose devices split the experts evenly (inside a pipeline, not those
+  it holds). [None] for a dense model."""
   moe = cfg.model.moe
   if not moe.num_experts:
     return [None]
-  if sizes["pipeline"] > 1:
-    return [""]
-  axes = [a for a in experts.EXPERT_AXES if sizes[a] > 1]
+  held = experts.PIPELINE_HELD_AXES if sizes["pipeline"] > 1 else ()
+  axes = [a for a in experts.EXPERT_AXES if sizes[a] > 1 and a not in held]
   subsets = (s for n in range(1, len(axes) + 1) for s in itertools.combinations(axes, n))
   return ["", *(",".join(s) for s in subsets
                 if moe.num_experts % math.prod(sizes[a] for a in s) == 0)]

@@ -115,8 +115,11 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   """The k experts and weights of every token, and the layer's counts.
   `aux_weight` is the step loss's weight of this layer's switch loss."""
   k, num_experts = cfg.experts_per_token, cfg.num_experts
+  # The router whole on each device (an all-gather of D x E): else XLA may
+  # reshard it by a collective-permute over every device, which inside a
+  # pipeline stage's conditional waits on XLA:CPU for stages that never come.
   logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
-                            router_DxE.astype(jnp.float32))
+                            r.constrain(router_DxE.astype(jnp.float32), (None, None)))
   scores_BxLxE = (jax.nn.softmax(logits_BxLxE, axis=-1) if cfg.router == "softmax"
                   else jax.nn.sigmoid(logits_BxLxE))
   probs_BxLxE = scores_BxLxE / scores_BxLxE.sum(axis=-1, keepdims=True)  # softmax: unchanged

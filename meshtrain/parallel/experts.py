@@ -47,9 +47,9 @@ length), the expert axes and `tensor` are manual. `tensor` splits each
 expert's hidden width (expert tensor parallelism): every tensor device routes
 the same tokens, runs its slice of every expert and the partial outputs are
 summed over `tensor`. Inside another shard_map (the pipeline's) it opens
-none: with no expert axes every device runs every expert on the tokens it
-holds (the experts' weights then shard like any FSDP weight), and expert
-axes the caller holds manual exchange on the local shards directly.
+one over the axes still automatic there, whose backward is a second
+shard_map (`_nested_shard_map`); expert axes the caller holds manual
+exchange on the local shards directly.
 
 `manual_token_sum` is the model's `token_sum` slot inside such a shard_map:
 a per-token count summed over the tokens of every device that splits them.
@@ -71,6 +71,9 @@ from meshtrain.parallel import hopper_gemm
 
 TOKEN_AXES = ("data", "fsdp", "sequence")  # mesh axes that may split the tokens
 EXPERT_AXES = TOKEN_AXES  # the axes `config.expert_parallel` may name
+# Those of them the pipeline's shard_map holds manual, each stage's layers
+# whole over them: inside a pipeline the experts split over the others.
+PIPELINE_HELD_AXES = ("data", "sequence")
 
 
 GEMMS = ("tiled", "ragged_dot", "hopper")  # how a device runs its experts
@@ -352,7 +355,7 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   the mesh in context. `per_sequence` is the capacity of an expert per sequence
   (0: dropless)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or (mesh.manual_axes and not axes):  # one device, or every expert here
+  if mesh.empty:
     return grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
                            w_down_ExFxD, gemm=gemm)
   b, length, d = x_BxLxD.shape
@@ -361,7 +364,10 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
       else None
   axes = tuple(sorted((a for a in axes if mesh.shape.get(a, 1) > 1), key=AXES.index))
   n = math.prod(mesh.shape[a] for a in axes)
-  manual = {*batch, *length_axes, *axes, *([tensor] if tensor else [])} - set(mesh.manual_axes)
+  # Every token axis is manual, also one the rules leave out of the batch: a
+  # vmap over it (local SGD's replicas) puts it on a dimension of its own.
+  token_axes = (a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
+  manual = {*token_axes, *axes, *([tensor] if tensor else [])} - set(mesh.manual_axes)
   rows = b // math.prod(mesh.shape[a] for a in batch)
   tokens = rows * length // math.prod(mesh.shape[a] for a in length_axes)
   local = w_gate_ExDxF.shape[0] // n
@@ -383,9 +389,51 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   # of that axis routes the same tokens and gets the same outputs back, which
   # the type system cannot see. Training batches always split.
   replicated = any(a not in (*batch, *length_axes) for a in axes)
-  return jax.shard_map(
-      device, mesh=mesh, axis_names=manual,
-      in_specs=(tokens_spec, tokens_spec, tokens_spec, P(experts, None, tensor),
-                P(experts, None, tensor), P(experts, tensor, None)),
-      out_specs=tokens_spec, check_vma=not replicated)(
-          x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+  in_specs = (tokens_spec, tokens_spec, tokens_spec, P(experts, None, tensor),
+              P(experts, None, tensor), P(experts, tensor, None))
+  operands = (x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+  if mesh.manual_axes:  # inside another shard_map (the pipeline's)
+    return _nested_shard_map(device, mesh, manual, in_specs, tokens_spec, *operands)
+  return jax.shard_map(device, mesh=mesh, axis_names=manual, in_specs=in_specs,
+                       out_specs=tokens_spec, check_vma=not replicated)(*operands)
+
+
+def _nested_shard_map(device: Callable, mesh, manual: set[str], in_specs: tuple,
+                      out_spec: P, x, expert, *weights) -> jax.Array:
+  """`jax.shard_map(device)` over the `manual` axes inside another shard_map,
+  differentiable in `x` and `weights` (not the integer `expert`): its forward
+  and backward are two shard_maps, the vjp's residuals handed from one to the
+  other on a leading axis split over the `manual` axes each varies over, so
+  that they keep their types. (jax 0.10 gives the residuals of its own
+  transpose of a nested shard_map specs that also name the outer one's manual
+  axes, which Shardy's verifier refuses.)"""
+  float_specs = (in_specs[0], *in_specs[2:])
+  structure = {}
+
+  def forward_device(x, expert, *weights):
+    y, vjp = jax.vjp(lambda x, *weights: device(x, expert, *weights), x, *weights)
+    residuals, structure["vjp"] = jax.tree.flatten(vjp)
+    structure["specs"] = [P(tuple(a for a in AXES if a in manual and a in varying_axes(r))
+                            or None) for r in residuals]
+    return y, [r[None] for r in residuals]
+
+  def forward(x, expert, *weights):
+    jax.eval_shape(jax.shard_map(lambda *args: forward_device(*args)[0], mesh=mesh,
+                                 axis_names=manual, in_specs=in_specs, out_specs=out_spec),
+                   x, expert, *weights)  # the residuals' specs
+    return jax.shard_map(forward_device, mesh=mesh, axis_names=manual, in_specs=in_specs,
+                         out_specs=(out_spec, structure["specs"]))(x, expert, *weights)
+
+  def backward_device(residuals, dy):
+    return jax.tree.unflatten(structure["vjp"], [r[0] for r in residuals])(dy)
+
+  def backward(residuals, dy):
+    dx, *dweights = jax.shard_map(backward_device, mesh=mesh, axis_names=manual,
+                                  in_specs=(structure["specs"], out_spec),
+                                  out_specs=float_specs)(residuals, dy)
+    return dx, None, *dweights
+
+  run = jax.custom_vjp(jax.shard_map(device, mesh=mesh, axis_names=manual, in_specs=in_specs,
+                                     out_specs=out_spec))
+  run.defvjp(forward, backward)
+  return run(x, expert, *weights)

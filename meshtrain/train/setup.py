@@ -161,11 +161,11 @@ def validate_moe(cfg, mesh: Mesh) -> None:
       jax.devices()[0], cfg.compute_dtype, parallelize.expert_widths(cfg))
   if why:
     raise ConfigError(f"{key}.grouped_gemm", f"hopper: {why}; use auto or tiled")
-  if mesh.shape["pipeline"] > 1 and split > 1:
-    # The pipeline's shard_map holds the layers whole over `data`; a nested
-    # one over other axes fails Shardy's check of the gradient.
-    raise ConfigError("config.expert_parallel", "inside the pipeline every stage keeps all of "
-                      "its layers' experts (they shard like FSDP weights); set it to \"\"")
+  held = [a for a in axes if a in experts.PIPELINE_HELD_AXES and mesh.shape[a] > 1]
+  if mesh.shape["pipeline"] > 1 and held:
+    raise ConfigError("config.expert_parallel", f"{held[0]!r}: the pipeline holds "
+                      f"{' and '.join(experts.PIPELINE_HELD_AXES)} itself, each stage's layers "
+                      "whole over them; inside a pipeline split the experts over fsdp (or \"\")")
   if cfg.local_sgd.inner_steps and ("data" in axes or moe.bias_update_rate):
     raise ConfigError("config.local_sgd.inner_steps", "local SGD trains each `data` replica "
                       "alone: its experts cannot be split over `data` and its biases would "

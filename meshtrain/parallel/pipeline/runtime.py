@@ -22,7 +22,8 @@ Inside, one `lax.scan` over the schedule's ticks. Each tick a stage
 Each layer's backward is split into B and W (`split.split_vjp`): F keeps the
 layer's vjp residuals (as the layer's `jax.checkpoint` policy decides) in the
 `res` stash, B computes the input gradient and leaves what W needs in the
-`cut` stash, W adds the weight gradients into the sums. Nothing runs twice:
+`cut` stash, W adds the weight gradients into the sums. Nothing runs twice
+(but the part of an MoE layer's expert exchange that W needs: docs/moe.md):
 the step does the FLOPs of the unpipelined step. (Why not one switch over
 the ops: docs/pipeline.md, "What a tick moves".)
 
