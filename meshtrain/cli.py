@@ -212,12 +212,14 @@ def _search(cfg) -> None:
   if _COMPILE.value:
     raise ConfigError("--compile", "is read by plan without --search (it compiles the config's "
                       "own layout); remove it, or plan one layout with --config.mesh.*")
-  mesh_keys = [name for name in flags.FLAGS
-               if name.startswith("config.mesh.") and flags.FLAGS[name].present]
-  if mesh_keys:
-    raise ConfigError(mesh_keys[0], "plan --search chooses the mesh itself, so this would do "
-                      "nothing; remove it, or plan this one mesh without --search (--search "
-                      "--mesh=data=8,... ranks one layout among the search's)")
+  chosen = [name for name in flags.FLAGS if name.startswith("config.") and
+            flags.FLAGS[name].present and search.chooses(name.removeprefix("config."))]
+  if chosen:
+    raise ConfigError(chosen[0], "plan --search chooses it itself (with the mesh, ZeRO, "
+                      "recomputation, accumulation, the pipeline and the expert and sequence "
+                      "layouts), so this would do nothing; remove it, or plan this one layout "
+                      "without --search (--search --mesh=data=8,... ranks one mesh among the "
+                      "search's)")
   if _TOP.value < 1:
     raise ConfigError("--top", f"is {_TOP.value}; give a positive number")
   for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # the rules of the config keys they replace

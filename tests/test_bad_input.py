@@ -204,6 +204,9 @@ CASES = [
     ("plan", ["--search", "--devices=8", "--config.mesh.tensor=2"], "config.mesh.tensor"),
     ("plan", ["--search", "--devices=8", "--config.mesh.across_hosts=data"],
      "config.mesh.across_hosts"),  # the search chooses it too
+    ("plan", ["--search", "--devices=8", "--config.zero_stage=3"], "config.zero_stage"),
+    ("plan", ["--search", "--devices=8", "--config.pipeline.microbatches=8"],
+     "config.pipeline.microbatches"),
     ("plan", ["--search", "--devices=8", "--mesh=data=²"], "--mesh"),
     ("plan", ["--search", "--devices=8", "--mesh=data=2,data=4"], "--mesh"),
     ("plan", ["--search", "--devices=8", "--cluster=nosuch"], "--cluster"),

@@ -129,6 +129,18 @@ def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
     assert (dispatch > 0) == any(c.sizes[a] > 1 for a in axes if not (ulysses and a == "sequence"))
 
 
+def test_chosen_keys_name_every_key_a_candidate_sets():
+  """What `plan --search` refuses to take from --config (search.CHOSEN_KEYS)
+  covers each key a candidate sets, a pipelined MoE one with every option."""
+  candidate = search.Candidate(mesh=(("data", 2), ("pipeline", 2), ("fsdp", 2), ("sequence", 2),
+                                     ("tensor", 2)), expert_parallel="fsdp",
+                               sequence_strategy="ulysses", stage_layers="2,2")
+  keys = [f"{section}.{key}" if section else key
+          for section, values in candidate.settings().items() for key in values]
+  assert keys and all(search.chooses(key) for key in keys), keys
+  assert not search.chooses("model.num_layers") and not search.chooses("attention.implementation")
+
+
 def test_inside_a_pipeline_experts_split_over_the_axes_it_does_not_hold():
   """The pipeline holds `data` and `sequence` manual, each stage's layers
   whole over them: there the search splits Mixtral's experts over `fsdp`

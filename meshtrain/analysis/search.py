@@ -68,6 +68,15 @@ from meshtrain.train.parallelize import llama_spec, model_config, slots
 BATCH_AXES = ("data", "fsdp")
 REMATS = ("none", "selective", "full")
 SECTIONS = ("mesh", "pipeline", "attention")  # the config's sections a candidate sets
+# The config keys a search chooses, a section's whole (ending in ".") or one key:
+# the --config override of one would be replaced.
+CHOSEN_KEYS = ("mesh.", "pipeline.", "attention.sequence_strategy", "zero_stage", "remat",
+               "grad_accum_steps", "tensor_sequence_parallel", "expert_parallel")
+
+
+def chooses(key: str) -> bool:
+  """Whether the search chooses config key `key` (as "mesh.fsdp")."""
+  return any(key.startswith(k) if k.endswith(".") else key == k for k in CHOSEN_KEYS)
 
 
 class ConfigView(types.SimpleNamespace):
