@@ -284,6 +284,10 @@ CASES = [
     ("prepare", ["--input={tmp}/a_file", "--out={tmp}/out", "--text_field=body"], "--text_field"),
     ("prepare", ["--input={tmp}/surrogate.jsonl", "--out={tmp}/out", "--format=chat",
                  "--text_field=body"], "--text_field"),  # chat reads "messages"
+    ("prepare", ["--input={tmp}/surrogate.jsonl", "--out={tmp}/out", "--split_blank_lines"],
+     "--split_blank_lines"),  # JSONL documents are not split
+    ("prepare", ["--input={tmp}/surrogate.jsonl", "--out={tmp}/out", "--format=chat",
+                 "--split_blank_lines"], "--split_blank_lines"),
     # a run's workdir, a Hugging Face model, generate's and export-hf's flags
     ("eval", ["--workdir={tmp}/list_run"], "--workdir"),
     ("eval", ["--workdir={tmp}/garbled_run"], "--workdir"),

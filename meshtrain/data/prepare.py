@@ -262,7 +262,7 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_forma
   """Tokenizes `inputs` into the directory `out` (module docstring); returns its meta.
   `input_format` "text" reads documents (text files, `text_field` of JSONL and
   Parquet), "chat" conversations from JSONL (`data/chat.py`); a `text_field`
-  other than TEXT_FIELD where no input is read by field is refused."""
+  or `split_blank_lines` that no input would read is refused."""
   out_dir = Path(out)
   if out_dir.exists():
     raise ConfigError("--out", f"{out} already exists; remove it or choose another directory")
@@ -271,7 +271,7 @@ def prepare(inputs: Sequence[str], tokenizer_spec: str, out: str, *, input_forma
   if not 0 <= val_fraction < 1:
     raise ConfigError("--val_fraction", f"is {val_fraction}; use a share in [0, 1)")
   files = input_files(inputs)
-  _check_text_field(files, input_format, text_field)
+  _check_read_options(files, input_format, text_field, split_blank_lines)
   total_bytes = sum(_size(f) for f in files)
   corpus = (_chat_corpus(files, tokenizer_spec) if input_format == "chat" else
             _text_corpus(files, tokenizer_spec, total_bytes, text_field=text_field,
@@ -364,18 +364,26 @@ def _encode_conversations(tokenizer: tk.HuggingFaceTokenizer, template: chat.Cha
   return Encoded(ids, [True] * len(ids), masks, sum(conversation.size for conversation in batch))
 
 
-def _check_text_field(files: Sequence[Path], input_format: str, text_field: str) -> None:
-  """`text_field` set away from TEXT_FIELD is an error where nothing reads it:
-  conversations (their "messages"), or inputs that are all plain text."""
-  if text_field == TEXT_FIELD:
-    return
+def _check_read_options(files: Sequence[Path], input_format: str, text_field: str,
+                        split_blank_lines: bool) -> None:
+  """`text_field` set away from TEXT_FIELD, or `split_blank_lines`, is an error
+  where nothing reads it: conversations read each line's "messages", plain
+  text files are not read by field, and only they split at blank lines."""
+  by_field = JSONL_SUFFIXES + PARQUET_SUFFIXES
+  plain = [f for f in files if f.suffix not in by_field]
   if input_format == "chat":
-    why = "--format chat reads each line's \"messages\""
-  elif not any(f.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES for f in files):
-    why = f"every input is plain text (none ends in {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)})"
+    why = {"--text_field": "--format chat reads each line's \"messages\"",
+           "--split_blank_lines": "--format chat reads one conversation a line"}
   else:
-    return
-  raise ConfigError("--text_field", f"is {text_field!r} but ignored: {why}; remove it")
+    why = {"--text_field": None if len(plain) < len(files) else
+           f"every input is plain text (none ends in {', '.join(by_field)})",
+           "--split_blank_lines": None if plain else
+           f"no input is plain text (each ends in one of {', '.join(by_field)})"}
+  given = {"--text_field": text_field != TEXT_FIELD, "--split_blank_lines": split_blank_lines}
+  for flag, reason in why.items():
+    if given[flag] and reason:
+      value = repr(text_field) if flag == "--text_field" else "set"
+      raise ConfigError(flag, f"is {value} but ignored: {reason}; remove it")
 
 
 def _first_missing(directory: Path) -> Path | None:
