@@ -1,12 +1,14 @@
 """Bad input through the CLI (in-process, as `meshtrain COMMAND ...` parses it):
 each case ends with exit 2 and one `error: <key>: ...` line naming the key, no
-traceback, and the workdir byte for byte as it was. Also: README.md's count
+traceback, no warning logged (absl and orbax would print it on stderr), and the
+workdir byte for byte as it was. Also: README.md's count
 of these cases, and the config checks that start-up runs before it fails or
 starts processes, each run once, and the config's tokenizer read once."""
 
 import collections
 import hashlib
 import json
+import logging
 import re
 import shutil
 
@@ -361,17 +363,18 @@ def tree_digest(root) -> dict[str, str]:
           else "folder" for p in sorted(root.rglob("*"))}
 
 
-def meshtrain(command: str, args: list[str], capsys) -> tuple[int, str]:
-  """Runs `meshtrain COMMAND ARGS` in this process: exit code and stderr."""
-  capsys.readouterr()
+def meshtrain(command: str, args: list[str], capfd) -> tuple[int, str]:
+  """Runs `meshtrain COMMAND ARGS` in this process: exit code and stderr, as
+  written to file descriptor 2 (by Python or by native code)."""
+  capfd.readouterr()
   with pytest.raises(SystemExit) as exit_info:
     cli.run([command, *args])
-  return exit_info.value.code, capsys.readouterr().err
+  return exit_info.value.code, capfd.readouterr().err
 
 
 @pytest.mark.parametrize("command, args, key", CASES,
                          ids=[f"{c}-{' '.join(a).replace('--config.', '')}" for c, a, _ in CASES])
-def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp_path, capsys,
+def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp_path, capfd, caplog,
                                                           request, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "a_file").write_text("not a folder")
@@ -391,17 +394,19 @@ def test_bad_input_is_one_error_line_and_nothing_written(command, args, key, tmp
   if command in ("train", "plan"):
     rest = [*micro_flags(workdir=run), *rest]
   before = tree_digest(tmp_path)
-  code, stderr = meshtrain(command, [*config_file, *rest], capsys)
+  code, stderr = meshtrain(command, [*config_file, *rest], capfd)
   assert code == 2, stderr
   lines = stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(f"error: {key}: "), stderr
   assert "Traceback" not in stderr
+  warned = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+  assert not warned, warned
   assert tree_digest(tmp_path) == before
 
 
 
 @pytest.mark.parametrize("launched", [False, True], ids=["import-hf", "launch-import-hf"])
-def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_path, capsys,
+def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_path, capfd,
                                                                 monkeypatch):
   """import-hf (up to the garbled weights, read after every check) and launch
   -- import-hf (up to starting the processes) run `validate.check_config` once,
@@ -424,7 +429,7 @@ def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_pat
   monkeypatch.setattr(cli.launch, "launch", lambda *args, **kwargs: 0)  # starts no process
   args = ["import-hf", "--from=hf_garbled", "--to=imported", "--config.tokenizer=bytes"]
   args = ["launch", "--", *args] if launched else args
-  code, stderr = meshtrain(args[0], args[1:], capsys)
+  code, stderr = meshtrain(args[0], args[1:], capfd)
   assert calls == {"check_config": 1, "load": 1}, stderr
   if launched:
     assert (code, stderr) == (0, ""), stderr
@@ -433,7 +438,7 @@ def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_pat
 
 
 @pytest.mark.parametrize("command", ["generate", "export-hf"])
-def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run, tmp_path, capsys,
+def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run, tmp_path, capfd,
                                                            monkeypatch):
   """generate and export-hf load config.tokenizer in their start-up check and
   again to use it; the files are read once (the sampling itself is stubbed)."""
@@ -447,6 +452,6 @@ def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run,
   tokenizers._load.cache_clear()
   own = {"generate": ["--prompt=a"], "export-hf": ["--to=exported"]}[command]
   args = [f"--workdir={trained_run}", "--config.tokenizer=tokenizer.json", *own]
-  code, stderr = meshtrain(command, args, capsys)
+  code, stderr = meshtrain(command, args, capfd)
   assert code in (0, None), stderr
   assert tokenizers._load.cache_info().misses == 1
