@@ -3,6 +3,7 @@ parameters and against a plain loop over experts; loss and balance on
 shakespeare BPE.
 
   python bench/moe.py speed [--steps 4] [--rounds 3]
+  python bench/moe.py pipeline [--steps 4] [--rounds 3]
   python bench/moe.py quality [--steps 600] [--seeds 3]
 
 speed: on 8 simulated CPU devices, the tiny model (4 layers, width 128,
@@ -15,6 +16,10 @@ layer forward), the MoE also with every expert on every device
 experts are a plain loop (every expert on every token, weighted by the
 router). They take turns as in bench/strategies.py; a time is the median
 step. Writes bench/results/moe_speed.json and its table in docs/moe.md.
+
+pipeline: the dense model and the MoE on `pipeline=2 x fsdp=4` (1F1B, 4
+microbatches), the experts over `fsdp` in each stage, on every device, and
+with capacity 1.25. Writes bench/results/moe_pipeline.json and its table.
 
 quality: the same dense model and 8 experts top-2 trained `steps` steps on
 shakespeare with a 1024-id BPE (`meshtrain prepare`, into a temporary
@@ -69,10 +74,10 @@ BALANCING = {
 QUALITY_CAPACITY = 1.25
 
 
-def config(moe: dict | None = None, **changes):
+def config(moe: dict | None = None, mesh: dict | None = None, **changes):
   cfg = get_config()
   cfg.update(global_batch=16, seq_len=128, **changes)
-  cfg.mesh.update(data=1, fsdp=8)
+  cfg.mesh.update(mesh or dict(data=1, fsdp=8))
   cfg.checkpoint.every_steps = 0
   if moe is not None:
     cfg.model.moe.update(EXPERTS | moe)
@@ -105,20 +110,46 @@ def speed(steps: int, rounds: int):
       "plain jax dense, batch over 8": PlainRunner(jax.devices(), dense),
       "plain jax loop over experts, batch over 8": PlainRunner(jax.devices(), moe, loop_spec),
   }
+  report("moe_speed", runners, steps, rounds, {
+      "meshtrain dense": "meshtrain dense, fsdp 8",
+      "plain loop over experts": "plain jax loop over experts, batch over 8"})
+
+
+def pipeline(steps: int, rounds: int):
+  """The same models on `pipeline=2 x fsdp=4` (1F1B, 4 microbatches): the
+  experts split over `fsdp` inside each stage, and every expert on every
+  device."""
+  stages = dict(mesh=dict(data=1, pipeline=2, fsdp=4))
+  runners = {
+      "meshtrain dense, pipeline 2 x fsdp 4": Runner(config(**stages)),
+      "meshtrain MoE, experts over fsdp": Runner(config(moe={}, **stages)),
+      "meshtrain MoE, every expert everywhere": Runner(config(moe={}, expert_parallel="",
+                                                              **stages)),
+      "meshtrain MoE, experts over fsdp, capacity 1.25": Runner(
+          config(moe=dict(capacity_factor=1.25), **stages)),
+  }
+  report("moe_pipeline", runners, steps, rounds,
+         {"meshtrain dense": "meshtrain dense, pipeline 2 x fsdp 4"})
+
+
+def report(section: str, runners: dict, steps: int, rounds: int, against: dict[str, str]):
+  """Times the runners in turns; writes the section of docs/moe.md with each
+  one's median step over each run `against` names (column title: run)."""
   measured = time_in_turns(runners, steps, rounds)
   median = {name: float(np.median(r.times)) for name, r in runners.items()}
-  dense_s = median["meshtrain dense, fsdp 8"]
-  loop_s = median["plain jax loop over experts, batch over 8"]
-  rows = [{"run": name, "step_s": median[name], "over_meshtrain_dense": median[name] / dense_s,
-           "over_plain_loop": median[name] / loop_s,
+  key = lambda title: "over_" + title.replace(" ", "_")  # noqa: E731
+  rows = [{"run": name, "step_s": median[name],
+           **{key(title): median[name] / median[run] for title, run in against.items()},
            "collective_mib": measured[name] / 2**20, "compile_s": r.compile_s}
           for name, r in runners.items()]
-  table = ["| run | step / meshtrain dense | step / plain loop over experts | "
-           "collectives MiB per device (profiled step) | compile s |", "|---|---|---|---|---|"]
-  table += [f"| {r['run']} | {r['over_meshtrain_dense']:.2f} | {r['over_plain_loop']:.2f} | "
-            f"{r['collective_mib']:.1f} | {r['compile_s']:.1f} |" for r in rows]
-  write_section("moe_speed", rows, "\n".join(table), doc=DOC,
-                command=f"python bench/moe.py speed --steps {steps} --rounds {rounds}")
+  table = ["| run | " + " | ".join(f"step / {title}" for title in against)
+           + " | collectives MiB per device (profiled step) | compile s |",
+           "|---|" + "---|" * (len(against) + 2)]
+  table += [f"| {r['run']} | " + " | ".join(f"{r[key(t)]:.2f}" for t in against)
+            + f" | {r['collective_mib']:.1f} | {r['compile_s']:.1f} |" for r in rows]
+  part = section.removeprefix("moe_")
+  write_section(section, rows, "\n".join(table), doc=DOC,
+                command=f"python bench/moe.py {part} --steps {steps} --rounds {rounds}")
   print("\n".join(table))
 
 
@@ -211,13 +242,13 @@ def draw(results: list[dict], path: Path):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("part", choices=("speed", "quality"))
+  parser.add_argument("part", choices=("speed", "pipeline", "quality"))
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args()
-  if args.part == "speed":
-    speed(args.steps or 4, args.rounds)
+  if args.part in ("speed", "pipeline"):
+    {"speed": speed, "pipeline": pipeline}[args.part](args.steps or 4, args.rounds)
   else:
     quality(args.steps or 600, args.seeds)
 
