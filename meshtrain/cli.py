@@ -174,8 +174,8 @@ def plan_command(argv: list[str]) -> None:
     raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
                       "config's own layout with --config.mesh.* and --config.global_batch")
   if _COMPILE.value and _DEVICES.value:
-    _check_simulated("--devices", _DEVICES.value, "; or plan more devices without --compile, "
-                     "which only does arithmetic")
+    _check_as_config("--devices", "simulate_devices", _DEVICES.value,
+                     "; or plan more devices without --compile, which only does arithmetic")
     validate.check_devices(cfg, _DEVICES.value)  # before simulating that many devices
     cfg.simulate_devices = _DEVICES.value
   _use_simulated_devices(cfg)
@@ -185,13 +185,12 @@ def plan_command(argv: list[str]) -> None:
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
 
 
-def _check_simulated(flag: str, count: int, other_fix: str = "") -> None:
-  """`count` simulated CPU devices of one process, given by `flag`, by the rule
-  of config.simulate_devices, which the flag sets; `other_fix` ends the message."""
-  problem = validate.RULES["simulate_devices"](count)
+def _check_as_config(flag: str, key: str, value, fix: str = "") -> None:
+  """`value`, given by `flag`, by the rule of the config key it sets
+  (`validate.RULES[key]`); `fix` ends the message."""
+  problem = value is not None and validate.RULES[key](value)
   if problem:
-    raise ConfigError(flag, f"{problem} (simulated CPU devices of one process, as "
-                      f"config.simulate_devices){other_fix}")
+    raise ConfigError(flag, f"{problem} (as config.{key}){fix}")
 
 
 def _costs(text: str) -> tuple[float, float, float]:
@@ -222,10 +221,8 @@ def _search(cfg) -> None:
                       "search's)")
   if _TOP.value < 1:
     raise ConfigError("--top", f"is {_TOP.value}; give a positive number")
-  for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # the rules of the config keys they replace
-    problem = flag.value is not None and validate.RULES[flag.name](flag.value)
-    if problem:
-      raise ConfigError(f"--{flag.name}", f"{problem} (as config.{flag.name})")
+  for flag in (_GLOBAL_BATCH, _SEQ_LEN):  # they replace the config keys of their names
+    _check_as_config(f"--{flag.name}", flag.name, flag.value)
   with cfg.unlocked():
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
@@ -496,7 +493,8 @@ def launch_command(argv: list[str]) -> None:
   if not 1 <= num_processes <= MAX_PROCESSES:
     raise ConfigError("--num_processes", f"is {num_processes}; start 1 to {MAX_PROCESSES} "
                       "processes (all of them on this machine)")
-  _check_simulated("--devices_per_process", devices_per_process)  # 0: the config's
+  # 0: the config's own
+  _check_as_config("--devices_per_process", "simulate_devices", devices_per_process)
   max_restarts = _MAX_RESTARTS.value  # read before the command's own flags are parsed
   if max_restarts < 0:
     raise ConfigError("--max_restarts", f"is {max_restarts}; give 0 (none) or more")

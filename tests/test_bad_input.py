@@ -455,3 +455,18 @@ def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run,
   code, stderr = meshtrain(command, args, capfd)
   assert code in (0, None), stderr
   assert tokenizers._load.cache_info().misses == 1
+
+
+def test_a_tokenizer_is_read_once_whichever_key_names_it_and_its_errors_name_that_key(tmp_path):
+  words = hf_tokenizers.Tokenizer(hf_tokenizers.models.WordLevel(
+      {"<|endoftext|>": 0, "a": 1}, unk_token="<|endoftext|>"))
+  words.save(str(tmp_path / "tokenizer.json"))
+  broken = tmp_path / "broken.json"
+  broken.write_text("{")
+  tokenizers._load.cache_clear()
+  first = tokenizers.load(str(tmp_path / "tokenizer.json"), key="config.tokenizer")
+  assert tokenizers.load(str(tmp_path / "tokenizer.json"), key="--tokenizer") is first
+  assert tokenizers._load.cache_info().misses == 1
+  for key in ("config.tokenizer", "--tokenizer"):
+    with pytest.raises(cli.ConfigError, match=f"^{key}: .*broken.json is not a Hugging Face"):
+      tokenizers.load(str(broken), key=key)

@@ -99,7 +99,10 @@ def load(spec: str, *, key: str) -> Tokenizer:
   once: the tokenizer returned is shared, to be used and not changed."""
   if spec == "bytes":
     return ByteTokenizer()
-  return _load(spec, key, _files_read(Path(spec)))
+  try:
+    return _load(spec, _files_read(Path(spec)))
+  except ConfigError as error:  # raised under `_LOADED`, told under `key`
+    raise ConfigError(key, error.message) from None
 
 
 def _files_read(path: Path) -> tuple[tuple[Path, tuple[int, int, int] | None], ...]:
@@ -118,11 +121,14 @@ def _identity(file: Path) -> tuple[int, int, int] | None:
   return status.st_ino, status.st_size, status.st_mtime_ns
 
 
+_LOADED = "tokenizer"  # the key `_load` raises under, for `load` to replace
+
+
 @functools.lru_cache(maxsize=8)
-def _load(spec: str, key: str, files_read: tuple) -> Tokenizer:
+def _load(spec: str, files_read: tuple) -> Tokenizer:
   """`load` of a path; `files_read` (`_files_read`) is only the cache's key."""
   del files_read
-  path = Path(spec)
+  path, key = Path(spec), _LOADED
   meta = _prepared_meta(path, key)
   if meta.get("tokenizer") == "bytes":
     return ByteTokenizer()
