@@ -4,6 +4,7 @@ shakespeare BPE.
 
   python bench/moe.py speed [--steps 4] [--rounds 3]
   python bench/moe.py pipeline [--steps 4] [--rounds 3]
+  python bench/moe.py tensor [--steps 4] [--rounds 3]
   python bench/moe.py quality [--steps 600] [--seeds 3]
 
 speed: on 8 simulated CPU devices, the tiny model (4 layers, width 128,
@@ -20,6 +21,11 @@ step. Writes bench/results/moe_speed.json and its table in docs/moe.md.
 pipeline: the dense model and the MoE on `pipeline=2 x fsdp=4` (1F1B, 4
 microbatches), the experts over `fsdp` in each stage, on every device, and
 with capacity 1.25. Writes bench/results/moe_pipeline.json and its table.
+
+tensor: the dense model and the MoE (dropless and capacity 1.25) on
+`tensor=2 x fsdp=4`, plain Megatron and with sequence parallelism, each tensor
+device dispatching its share of the tokens. Writes
+bench/results/moe_tensor.json and its table.
 
 quality: the same dense model and 8 experts top-2 trained `steps` steps on
 shakespeare with a 1024-id BPE (`meshtrain prepare`, into a temporary
@@ -132,6 +138,22 @@ def pipeline(steps: int, rounds: int):
          {"meshtrain dense": "meshtrain dense, pipeline 2 x fsdp 4"})
 
 
+def tensor(steps: int, rounds: int):
+  """The same models on `tensor=2 x fsdp=4`, with and without Megatron-SP:
+  each tensor device dispatches its share of the tokens."""
+  meshes = {"tensor 2 x fsdp 4": dict(mesh=dict(data=1, fsdp=4, tensor=2)),
+            "tensor 2 x fsdp 4, Megatron-SP": dict(mesh=dict(data=1, fsdp=4, tensor=2),
+                                                   tensor_sequence_parallel=True)}
+  runners = {}
+  for name, mesh in meshes.items():
+    runners[f"meshtrain dense, {name}"] = Runner(config(**mesh))
+    runners[f"meshtrain MoE, {name}"] = Runner(config(moe={}, **mesh))
+    runners[f"meshtrain MoE, {name}, capacity 1.25"] = Runner(
+        config(moe=dict(capacity_factor=1.25), **mesh))
+  report("moe_tensor", runners, steps, rounds,
+         {f"dense, {name}": f"meshtrain dense, {name}" for name in meshes})
+
+
 def report(section: str, runners: dict, steps: int, rounds: int, against: dict[str, str]):
   """Times the runners in turns; writes the section of docs/moe.md with each
   one's median step over each run `against` names (column title: run)."""
@@ -242,13 +264,14 @@ def draw(results: list[dict], path: Path):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("part", choices=("speed", "pipeline", "quality"))
+  parser.add_argument("part", choices=("speed", "pipeline", "tensor", "quality"))
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args()
-  if args.part in ("speed", "pipeline"):
-    {"speed": speed, "pipeline": pipeline}[args.part](args.steps or 4, args.rounds)
+  timed = {"speed": speed, "pipeline": pipeline, "tensor": tensor}
+  if args.part in timed:
+    timed[args.part](args.steps or 4, args.rounds)
   else:
     quality(args.steps or 600, args.seeds)
 

@@ -403,6 +403,30 @@ def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_
   assert measured["all-to-all", "fsdp"].count == planned["all-to-all", "fsdp"]["count"]
 
 
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "megatron-sp"))
+def test_tensor_devices_dispatch_their_share_of_the_tokens(sequence_parallel):
+  """Read from the compiled step of tensor=2 x fsdp=4: each tensor device
+  sends its half of the tokens, so the all-to-all moves what a device of
+  data=2 x fsdp=4 moves (same tokens per device), not twice that; the rows
+  that arrive are gathered over `tensor` for the experts' halves and the
+  outputs reduce-scattered back, and `meshtrain plan` counts these bytes."""
+  cfg = micro_config(**MOE, **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2,
+                               "tensor_sequence_parallel": sequence_parallel})
+  setup = build(cfg)
+  measured = {(c.kind, c.axis): c for c in hlo.collectives(compile_step(setup), setup.mesh)}
+  data_parallel = micro_config(**MOE, **{"mesh.data": 2, "mesh.fsdp": 4})
+  data_setup = build(data_parallel)
+  same_tokens = {(c.kind, c.axis): c
+                 for c in hlo.collectives(compile_step(data_setup), data_setup.mesh)}
+  assert measured["all-to-all", "fsdp"].bytes == same_tokens["all-to-all", "fsdp"].bytes
+  planned = {(c["kind"], c["axis"]): c for c in plan(cfg, 8, False)["collectives"]}
+  assert measured["all-to-all", "fsdp"].bytes == pytest.approx(
+      planned["all-to-all", "fsdp"]["bytes"], rel=0.02)
+  for kind in ("all-gather", "reduce-scatter"):
+    assert measured[kind, "tensor"].bytes == pytest.approx(planned[kind, "tensor"]["bytes"],
+                                                           rel=0.05)
+
+
 def test_experts_in_the_pipeline_stay_split_and_take_tokens_by_all_to_all():
   """Read from the compiled step of pipeline=2 x fsdp=2 x tensor=2 (1F1B): in
   the stages' work the tokens reach the experts by all-to-all over `fsdp`, no

@@ -232,22 +232,26 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   passes = cfg.grad_accum_steps * microbatches
   forwards = 1 + (cfg.remat == "full")  # a pipeline's B recomputes nothing
   layer_passes = stage_layers(cfg)[0] * passes
+  # The routed layers the busiest stage runs, round by round (`stage_layers`).
+  routed_passes = passes * (int(stage_layout(cfg).counts_VxP().max(axis=1).sum())
+                            if m.moe.num_experts else 0)
+  # Megatron's MLP blocks: every layer's but the routed ones without a shared expert.
+  mlp_passes = layer_passes - (0 if m.moe.shared_mlp_dim else routed_passes)
+  block_passes = layer_passes + mlp_passes
   if cfg.tensor_sequence_parallel:
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
-    comm.add("all-gather", {"tensor"}, activation, mesh, 2 * gathers * layer_passes + 2 * passes)
+    comm.add("all-gather", {"tensor"}, activation, mesh, gathers * block_passes + 2 * passes)
     comm.add("reduce-scatter", {"tensor"}, activation, mesh,
-             (2 * (forwards + 1) - (cfg.remat == "full")) * layer_passes + passes)
+             (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + passes)
   else:
     comm.add("all-reduce", {"tensor"}, activation, mesh,
-             2 * (forwards + 1) * layer_passes + 2 * passes)
+             (forwards + 1) * block_passes + 2 * passes)
   if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
     comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
   if sizes["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
-    # The routed layers the busiest stage runs, round by round (`stage_layers`).
-    routed = int(stage_layout(cfg).counts_VxP().max(axis=1).sum())
-    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed * passes)
+    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
     sends = round(costs.table_counts(cfg.pipeline.schedule, stages, microbatches,
@@ -292,20 +296,41 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   every MoE layer on one device's `rows` x `length` tokens: the buckets of
   tokens to their experts' devices and the outputs back, in the compute
   dtype (twice each way: forward, and the transposes in the backward, where a
-  pipeline's W sends the output gradients once more: docs/moe.md), the
-  [n, E_local] counts (each forward), and under `tensor` the experts' partial
-  outputs summed forward and their input gradients summed backward."""
+  pipeline's W sends the output gradients once more: docs/moe.md), and the
+  [n, E_local] counts (each forward).
+
+  Under `tensor`, where it divides the device's length or rows
+  (`experts._token_axes`), each tensor device dispatches its share of the
+  tokens: the rows that arrive are all-gathered over `tensor` for its slices
+  of the experts and the partial outputs reduce-scattered back (and the
+  transposes in the backward, W gathering the output gradients once more);
+  without Megatron-SP the layer's output and its input gradient are
+  all-gathered from the shares. Else every tensor device dispatches every
+  token, and the partial outputs and the input gradient are summed."""
   moe, m = cfg.model.moe, cfg.model
+  t = _sizes(mesh)["tensor"]
   axes = [a for a in cfg.expert_parallel.split(",") if a and _sizes(mesh)[a] > 1]
   n = _prod(axes, mesh)
   local = moe.num_experts // n
-  capacity = experts.expert_capacity(rows * length, rows, moe.experts_per_token, local,
+  splits = t > 1 and (length % t == 0 or rows % t == 0)
+  shares = (rows, length // t) if splits and length % t == 0 else (rows // t, length) if splits \
+      else (rows, length)
+  capacity = experts.expert_capacity(math.prod(shares), shares[0], moe.experts_per_token, local,
                                      model_config(cfg).moe.capacity(cfg.seq_len))
-  bucket = jnp.dtype(cfg.compute_dtype).itemsize * n * capacity * m.embed_dim
+  act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
+  bucket = act_bytes * n * capacity * m.embed_dim
   w_resends = _sizes(mesh)["pipeline"] > 1
   comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
-  comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
+  activation = act_bytes * rows * length * m.embed_dim
+  if splits:
+    comm.add("all-gather", {"tensor"}, t * bucket, mesh, (forwards + 1 + w_resends) * moe_passes)
+    comm.add("reduce-scatter", {"tensor"}, t * bucket, mesh, (forwards + 1) * moe_passes)
+    if not cfg.tensor_sequence_parallel:
+      comm.add("all-gather", {"tensor"}, activation, mesh, (forwards + 1) * moe_passes)
+  else:
+    comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
+    comm.add("all-reduce", {"tensor"}, activation, mesh, moe_passes)
 
 
 def stage_layers(cfg) -> tuple[int, int]:

@@ -204,7 +204,8 @@ class MoE(nnx.Module):
                            gemm=self.cfg.grouped_gemm)
     if self.shared is not None:
       y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
-    return checkpoint_name(r.constrain(y_BxLxD, (r.BATCH, r.LENGTH, r.ACT_EMBED)), MLP_OUT), stats
+    y_BxLxD = r.constrain(y_BxLxD, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
+    return checkpoint_name(y_BxLxD, MLP_OUT), stats
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     return self.forward(x_BxLxD)[0]

@@ -44,8 +44,13 @@ B x E_local x c. `expert_capacity` says which.
 
 Inside `expert_parallel`'s shard_map the token axes (those splitting batch or
 length), the expert axes and `tensor` are manual. `tensor` splits each
-expert's hidden width (expert tensor parallelism): every tensor device routes
-the same tokens, runs its slice of every expert and the partial outputs are
+expert's hidden width (expert tensor parallelism) and the tokens of the
+dispatch (Megatron-Core's MoE under sequence parallelism): each tensor device
+sends its share of the tokens, the rows that reach a device are all-gathered
+over `tensor` for its slices of the experts, and the partial outputs are
+reduce-scattered back, so the all-to-all carries 1/tensor of the tokens.
+Where `tensor` divides neither the length nor the batch (a short generation
+step), every tensor device routes the same tokens and the partial outputs are
 summed over `tensor`. Inside another shard_map (the pipeline's) it opens
 one over the axes still automatic there, whose backward is a second
 shard_map (`_nested_shard_map`); expert axes the caller holds manual
@@ -294,13 +299,16 @@ def expert_capacity(tokens: int, rows: int, k: int, local_experts: int,
 
 
 def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tuple[str, ...],
-              n: int, capacity: int, tensor: str | None, gemm: str):
+              n: int, capacity: int, tensor: str | None, tensor_splits_tokens: bool, gemm: str):
   """One device's share: its T tokens' assignments to the n devices of `axes`
   (expert e on device e // E_local), its E_local experts on what arrives.
 
   Each bucket holds its assignments ordered by expert, so a device learns what
   it received from the counts per expert alone (a small all-to-all of
-  [n, E_local] integers), not from an id per row."""
+  [n, E_local] integers), not from an id per row. Where `tensor_splits_tokens`,
+  the tensor devices' rows are gathered for their slices of the experts and
+  the partial outputs reduce-scattered back; else every tensor device holds
+  the same rows and the partial outputs are summed."""
   t, k = expert_TxK.shape
   d, local = x_TxD.shape[-1], w_gate.shape[0]
   num_experts = n * local
@@ -322,9 +330,14 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
   ends_NxL = jnp.cumsum(counts_NxL, axis=1)
   expert_NxC = jnp.sum(jnp.arange(capacity)[None, :, None] >= ends_NxL[:, None, :], axis=-1)
   expert_M = jnp.where(expert_NxC < local, expert_NxC, -1).reshape(n * capacity, 1)
-  out_MxD = _grouped(send_NxCxD.reshape(n * capacity, d), expert_M, local, w_gate, w_up,
-                     w_down, gemm)[:, 0]
-  if tensor:  # each tensor device ran its slice of the hidden width
+  rows_MxD = send_NxCxD.reshape(n * capacity, d)
+  if tensor_splits_tokens:  # every tensor device's rows through this one's slices
+    rows_MxD = lax.all_gather(rows_MxD, tensor, tiled=True)
+    expert_M = lax.all_gather(expert_M, tensor, tiled=True)
+  out_MxD = _grouped(rows_MxD, expert_M, local, w_gate, w_up, w_down, gemm)[:, 0]
+  if tensor_splits_tokens:
+    out_MxD = lax.psum_scatter(out_MxD, tensor, scatter_dimension=0, tiled=True)
+  elif tensor:  # each tensor device ran its slice of the hidden width
     out_MxD = lax.psum(out_MxD, tensor)
   back_NxCxD = out_MxD.reshape(n, capacity, d)
   if n > 1:
@@ -335,16 +348,25 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
 
 
 def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """The mesh axes (not yet manual) that split the batch and the length, by
-  the active logical rules."""
+  """The mesh axes (not yet manual) that split the batch and the length in the
+  dispatch: those of the active logical rules, and `tensor` where it is free,
+  on the length as Megatron-SP splits it where it divides it, else on the
+  batch, else on neither."""
   rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
   free = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1  # noqa: E731
-                            and a not in mesh.manual_axes and a in TOKEN_AXES)
-  batch, length_axes = free(rules.get(r.BATCH, ())), free(rules.get(r.LENGTH, ()))
+                            and a not in mesh.manual_axes)
+  batch, length_axes = (tuple(a for a in free(rules.get(name, ())) if a in TOKEN_AXES)
+                        for name in (r.BATCH, r.LENGTH))
   if batch_size % math.prod(mesh.shape[a] for a in batch):
     batch = ()
   if length % math.prod(mesh.shape[a] for a in length_axes):
     length_axes = ()
+  tensor = free(("tensor",))
+  with_tensor = lambda axes: tuple(sorted((*axes, *tensor), key=AXES.index))  # noqa: E731
+  if length % math.prod(mesh.shape[a] for a in with_tensor(length_axes)) == 0:
+    length_axes = with_tensor(length_axes)
+  elif batch_size % math.prod(mesh.shape[a] for a in with_tensor(batch)) == 0:
+    batch = with_tensor(batch)
   return batch, length_axes
 
 
@@ -362,6 +384,7 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   batch, length_axes = _token_axes(mesh, b, length)
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and "tensor" not in mesh.manual_axes \
       else None
+  tensor_splits_tokens = tensor in (*batch, *length_axes)
   axes = tuple(sorted((a for a in axes if mesh.shape.get(a, 1) > 1), key=AXES.index))
   n = math.prod(mesh.shape[a] for a in axes)
   # Every token axis is manual, also one the rules leave out of the batch: a
@@ -378,7 +401,8 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
     y_TxD = _exchange(x_BxLxD.reshape(rows * length_here, d),
                       expert_BxLxK.reshape(rows * length_here, -1),
                       weight_BxLxK.reshape(rows * length_here, -1), w_gate, w_up, w_down,
-                      axes=axes, n=n, capacity=capacity, tensor=tensor, gemm=gemm)
+                      axes=axes, n=n, capacity=capacity, tensor=tensor,
+                      tensor_splits_tokens=tensor_splits_tokens, gemm=gemm)
     return y_TxD.reshape(rows, length_here, d)
 
   if not manual:  # every axis is already manual (inside the pipeline): local shards
