@@ -299,35 +299,42 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   pipeline's W sends the output gradients once more: docs/moe.md), and the
   [n, E_local] counts (each forward).
 
-  Under `tensor`, where it divides the device's length or rows
-  (`experts._token_axes`), each tensor device dispatches its share of the
-  tokens: the rows that arrive are all-gathered over `tensor` for its slices
-  of the experts and the partial outputs reduce-scattered back (and the
-  transposes in the backward, W gathering the output gradients once more);
-  without Megatron-SP the layer's output and its input gradient are
-  all-gathered from the shares. Else every tensor device dispatches every
-  token, and the partial outputs and the input gradient are summed."""
+  Under `tensor`, each tensor device dispatches its share of the tokens
+  where that makes the buckets no bigger (`experts.tensor_split`): the rows
+  that arrive are all-gathered over `tensor` for its slices of the experts and
+  the partial outputs reduce-scattered back (and the transposes in the
+  backward, W gathering the output gradients once more); without Megatron-SP
+  the layer's output and its input gradient are all-gathered from the
+  shares, with it a share of the batch is taken from its split of the length
+  by all-to-alls. Else every tensor device dispatches every token, and the
+  partial outputs and the input gradient are summed."""
   moe, m = cfg.model.moe, cfg.model
   t = _sizes(mesh)["tensor"]
   axes = [a for a in cfg.expert_parallel.split(",") if a and _sizes(mesh)[a] > 1]
   n = _prod(axes, mesh)
   local = moe.num_experts // n
-  splits = t > 1 and (length % t == 0 or rows % t == 0)
-  shares = (rows, length // t) if splits and length % t == 0 else (rows // t, length) if splits \
-      else (rows, length)
+  per_sequence = model_config(cfg).moe.capacity(cfg.seq_len)
+  split = experts.tensor_split(rows, length, t, moe.experts_per_token, local, per_sequence)
+  shares = {"length": (rows, length // t), "batch": (rows // t, length)}.get(split, (rows, length))
   capacity = experts.expert_capacity(math.prod(shares), shares[0], moe.experts_per_token, local,
-                                     model_config(cfg).moe.capacity(cfg.seq_len))
+                                     per_sequence)
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   bucket = act_bytes * n * capacity * m.embed_dim
   w_resends = _sizes(mesh)["pipeline"] > 1
   comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
   activation = act_bytes * rows * length * m.embed_dim
-  if splits:
+  if split:
     comm.add("all-gather", {"tensor"}, t * bucket, mesh, (forwards + 1 + w_resends) * moe_passes)
     comm.add("reduce-scatter", {"tensor"}, t * bucket, mesh, (forwards + 1) * moe_passes)
     if not cfg.tensor_sequence_parallel:
       comm.add("all-gather", {"tensor"}, activation, mesh, (forwards + 1) * moe_passes)
+    elif split == "batch":  # from Megatron-SP's split of the length and back, by all-to-alls
+      # the input in each forward, the output, and their gradients (W's once more)
+      comm.add("all-to-all", {"tensor"}, activation / t, mesh,
+               (forwards + 3 + w_resends) * moe_passes)
+      routing = 4 * moe.experts_per_token * rows * length / t  # int32 experts, float32 weights
+      comm.add("all-to-all", {"tensor"}, routing, mesh, (2 * forwards + 1) * moe_passes)
   else:
     comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
     comm.add("all-reduce", {"tensor"}, activation, mesh, moe_passes)

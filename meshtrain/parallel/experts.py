@@ -46,15 +46,18 @@ Inside `expert_parallel`'s shard_map the token axes (those splitting batch or
 length), the expert axes and `tensor` are manual. `tensor` splits each
 expert's hidden width (expert tensor parallelism) and the tokens of the
 dispatch (Megatron-Core's MoE under sequence parallelism): each tensor device
-sends its share of the tokens, the rows that reach a device are all-gathered
-over `tensor` for its slices of the experts, and the partial outputs are
+sends its share of the tokens (`tensor_split`: of the length dropless, of the
+batch with a capacity), the rows that reach a device are all-gathered over
+`tensor` for its slices of the experts, and the partial outputs are
 reduce-scattered back, so the all-to-all carries 1/tensor of the tokens.
-Where `tensor` divides neither the length nor the batch (a short generation
-step), every tensor device routes the same tokens and the partial outputs are
-summed over `tensor`. Inside another shard_map (the pipeline's) it opens
-one over the axes still automatic there, whose backward is a second
-shard_map (`_nested_shard_map`); expert axes the caller holds manual
-exchange on the local shards directly.
+Under Megatron-SP the tokens arrive split by the length, and a share of the
+batch is taken from there by an all-to-all over `tensor` (`_resplit`). Where
+no split has fewer rows (a short generation step), every tensor device routes
+the same tokens and the partial outputs are summed over `tensor`.
+
+Inside another shard_map (the pipeline's) it opens one over the axes still
+automatic there, whose backward is a second shard_map (`_nested_shard_map`);
+expert axes the caller holds manual exchange on the local shards directly.
 
 `manual_token_sum` is the model's `token_sum` slot inside such a shard_map:
 a per-token count summed over the tokens of every device that splits them.
@@ -348,26 +351,46 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
 
 
 def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """The mesh axes (not yet manual) that split the batch and the length in the
-  dispatch: those of the active logical rules, and `tensor` where it is free,
-  on the length as Megatron-SP splits it where it divides it, else on the
-  batch, else on neither."""
+  """The mesh axes (not yet manual) that split the batch and the length, by
+  the active logical rules."""
   rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
   free = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1  # noqa: E731
-                            and a not in mesh.manual_axes)
-  batch, length_axes = (tuple(a for a in free(rules.get(name, ())) if a in TOKEN_AXES)
-                        for name in (r.BATCH, r.LENGTH))
+                            and a not in mesh.manual_axes and a in TOKEN_AXES)
+  batch, length_axes = free(rules.get(r.BATCH, ())), free(rules.get(r.LENGTH, ()))
   if batch_size % math.prod(mesh.shape[a] for a in batch):
     batch = ()
   if length % math.prod(mesh.shape[a] for a in length_axes):
     length_axes = ()
-  tensor = free(("tensor",))
-  with_tensor = lambda axes: tuple(sorted((*axes, *tensor), key=AXES.index))  # noqa: E731
-  if length % math.prod(mesh.shape[a] for a in with_tensor(length_axes)) == 0:
-    length_axes = with_tensor(length_axes)
-  elif batch_size % math.prod(mesh.shape[a] for a in with_tensor(batch)) == 0:
-    batch = with_tensor(batch)
   return batch, length_axes
+
+
+def tensor_split(rows: int, length: int, tensor: int, k: int, local: int,
+                 per_sequence: int = 0) -> str:
+  """Which of a device's `rows` x `length` tokens each of `tensor` devices
+  dispatches: "length" or "batch" (its share of that dimension), or "" (every
+  token). The one whose buckets, summed over the tensor devices (the rows
+  each one's experts then run), are fewest; on a tie a split (its all-to-all
+  is 1/tensor), the length first (Megatron-SP's split, so its activations
+  need no reshard). Dropless both splits halve the buckets; with a capacity
+  per sequence only the batch does, since one device's share of a sequence
+  may send as many rows to an expert as the whole sequence."""
+  bucket = lambda rows, length: expert_capacity(  # noqa: E731
+      rows * length, rows, k, local, per_sequence)
+  choices = [("", bucket(rows, length))]
+  if tensor > 1 and length % tensor == 0:
+    choices.append(("length", tensor * bucket(rows, length // tensor)))
+  if tensor > 1 and rows % tensor == 0:
+    choices.append(("batch", tensor * bucket(rows // tensor, length)))
+  return min(choices, key=lambda choice: (choice[1], not choice[0], choice[0] == "batch"))[0]
+
+
+def _resplit(x_BxLx_: jax.Array, tensor: str | None, source: str, target: str) -> jax.Array:
+  """A device's tokens split over `tensor` by `source` ("batch" or "length"),
+  split by `target` instead (an all-to-all over `tensor`)."""
+  if source == target:
+    return x_BxLx_
+  dims = {"batch": 0, "length": 1}
+  return lax.all_to_all(x_BxLx_, tensor, dims[target], dims[source], tiled=True)
 
 
 def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
@@ -384,26 +407,41 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   batch, length_axes = _token_axes(mesh, b, length)
   tensor = "tensor" if mesh.shape.get("tensor", 1) > 1 and "tensor" not in mesh.manual_axes \
       else None
-  tensor_splits_tokens = tensor in (*batch, *length_axes)
   axes = tuple(sorted((a for a in axes if mesh.shape.get(a, 1) > 1), key=AXES.index))
   n = math.prod(mesh.shape[a] for a in axes)
+  local, k = w_gate_ExDxF.shape[0] // n, expert_BxLxK.shape[-1]
+  rows = b // math.prod(mesh.shape[a] for a in batch)
+  tokens = rows * length // math.prod(mesh.shape[a] for a in length_axes)
+  length_here = tokens // rows
+  split = tensor_split(rows, length_here, mesh.shape[tensor], k, local, per_sequence) \
+      if tensor else ""
+  # The tokens come split over `tensor` by the length under Megatron-SP, else
+  # whole: a split of the batch then takes them by an all-to-all over `tensor`.
+  rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
+  arrival = ("length" if split and tensor in rules.get(r.RES_LENGTH, ())
+             and length_here % mesh.shape[tensor] == 0 else split)
+  if split:
+    rows, tokens = (rows // mesh.shape[tensor] if split == "batch" else rows,
+                    tokens // mesh.shape[tensor])
+  capacity = expert_capacity(tokens, rows, k, local, per_sequence)
+  with_tensor = lambda axes, dim: tuple(  # noqa: E731
+      sorted((*axes, tensor), key=AXES.index)) if arrival == dim else axes
+  batch, length_axes = with_tensor(batch, "batch"), with_tensor(length_axes, "length")
   # Every token axis is manual, also one the rules leave out of the batch: a
   # vmap over it (local SGD's replicas) puts it on a dimension of its own.
   token_axes = (a for a in TOKEN_AXES if mesh.shape.get(a, 1) > 1)
   manual = {*token_axes, *axes, *([tensor] if tensor else [])} - set(mesh.manual_axes)
-  rows = b // math.prod(mesh.shape[a] for a in batch)
-  tokens = rows * length // math.prod(mesh.shape[a] for a in length_axes)
-  local = w_gate_ExDxF.shape[0] // n
-  capacity = expert_capacity(tokens, rows, expert_BxLxK.shape[-1], local, per_sequence)
 
   def device(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down):
+    x_BxLxD, expert_BxLxK, weight_BxLxK = (_resplit(a, tensor, arrival, split)
+                                           for a in (x_BxLxD, expert_BxLxK, weight_BxLxK))
     rows, length_here = x_BxLxD.shape[:2]
     y_TxD = _exchange(x_BxLxD.reshape(rows * length_here, d),
                       expert_BxLxK.reshape(rows * length_here, -1),
                       weight_BxLxK.reshape(rows * length_here, -1), w_gate, w_up, w_down,
                       axes=axes, n=n, capacity=capacity, tensor=tensor,
-                      tensor_splits_tokens=tensor_splits_tokens, gemm=gemm)
-    return y_TxD.reshape(rows, length_here, d)
+                      tensor_splits_tokens=bool(split), gemm=gemm)
+    return _resplit(y_TxD.reshape(rows, length_here, d), tensor, split, arrival)
 
   if not manual:  # every axis is already manual (inside the pipeline): local shards
     return device(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
