@@ -493,7 +493,7 @@ def launch_command(argv: list[str]) -> None:
   if not 1 <= num_processes <= MAX_PROCESSES:
     raise ConfigError("--num_processes", f"is {num_processes}; start 1 to {MAX_PROCESSES} "
                       "processes (all of them on this machine)")
-  # 0: the config's own
+  # 0 keeps the config's own count
   _check_as_config("--devices_per_process", "simulate_devices", devices_per_process)
   max_restarts = _MAX_RESTARTS.value  # read before the command's own flags are parsed
   if max_restarts < 0:
