@@ -204,6 +204,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
+def shards(name: str, size: int) -> int:
+  """Into how many pieces the active rules split a dimension `name` of `size`
+  on the mesh in context, over its axes not already manual: 1 outside rules
+  or a mesh, or where they do not divide `size`."""
+  rules = flax.core.spmd.get_logical_axis_rules()
+  mesh = jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
+    return 1
+  count = math.prod(mesh.shape.get(a, 1) for a in _axes_of(name, dict(rules))
+                    if a not in mesh.manual_axes)
+  return count if size % count == 0 else 1
+
+
 def _flat_names(names_tree):
   return jax.tree_util.tree_flatten_with_path(names_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
 

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.mesh import make_mesh
 from meshtrain.parallel import attention
@@ -240,3 +242,34 @@ def test_ring_on_zigzag_inputs_skips_the_relayouts():
   assert sum(c.count for c in permutes) == 2 * (n - 1)
   with pytest.raises(ValueError, match="only the ring strategy takes the zigzag layout"):
     sequence.sequence_attention(q, k, v, strategy="ulysses", mesh=mesh, zigzag=True)
+
+
+@pytest.mark.parametrize("n, tensor, zigzag", [(n, t, z) for n in (2, 4) for t in (1, 2)
+                                                for z in (False, True)])
+def test_count_before_is_a_prefix_sum_in_position_order(n, tensor, zigzag):
+  """An MoE capacity's count (`count_before`): per token, the sum over the
+  earlier positions of its sequence, in position order however the length
+  lies: split over `sequence` (and `tensor`, by Megatron-SP's rules), in the
+  ring's zigzag order, or one device's shard inside a shard_map manual over
+  `sequence` (the pipeline's). Only the chunks' [B, chunks, E] totals cross
+  devices, gathered along the length."""
+  b, length, e = 4, 16, 8
+  x_BxLxE = np.random.default_rng(0).integers(0, 3, (b, length, e)).astype(np.int32)
+  expected = np.cumsum(x_BxLxE, axis=1) - x_BxLxE
+  mesh = mesh_of(sequence=n, tensor=tensor)
+  rules = r.strategy_rules(mesh, tensor_sequence_parallel=tensor > 1)
+  order = sequence.zigzag_order(length, n) if zigzag else np.arange(length)
+  count = functools.partial(sequence.count_before, zigzag=zigzag)
+  manual = jax.shard_map(lambda x: count(x)[0], mesh=mesh, in_specs=P(None, "sequence"),
+                         out_specs=P(None, "sequence"), axis_names={"sequence"})
+  split = r.logical_to_spec((r.BATCH, r.RES_LENGTH, None), rules.params)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
+    assert count(jnp.asarray(x_BxLxE))[1] == length
+    for fn, spec in ((lambda x: count(x)[0], split), (manual, P(None, "sequence"))):
+      x = jax.device_put(x_BxLxE[:, order], NamedSharding(mesh, spec))
+      compiled = jax.jit(fn).lower(x).compile()
+      np.testing.assert_array_equal(compiled(x), expected[:, order])
+      collectives = hlo.collectives(compiled, mesh)
+      assert {c.kind for c in collectives} == {"all-gather"}, collectives
+      chunks = sequence.prefix_chunks(length, n * tensor, n if zigzag else 0)
+      assert sum(c.bytes for c in collectives) <= 4 * b * chunks * e, collectives

@@ -70,6 +70,12 @@ def _expert_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
                    for a in jax.tree.leaves(part))
 
 
+def _sequence_parallel(rules: r.ShardingRules, mesh) -> bool:
+  """Whether the residual stream comes split by the length over `tensor`
+  (Megatron-SP), by the rules the model traces under."""
+  return _sizes(mesh)["tensor"] > 1 and "tensor" in dict(rules.params).get(r.RES_LENGTH, ())
+
+
 @functools.lru_cache(maxsize=4096)  # meshes are interned: one entry each
 def _sizes(mesh) -> dict[str, int]:
   """`mesh.shape`, made once (jax makes a new dict at every read of it)."""
@@ -121,7 +127,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   # Gradients are summed over every axis that splits the tokens (with sequence
   # parallelism `tensor` too, for the weights it does not split: norm scales).
   token_axes = batch_axes | {a for a in ("sequence", "tensor") if sizes[a] > 1 and (
-      a == "sequence" or cfg.tensor_sequence_parallel)}
+      a == "sequence" or _sequence_parallel(rules, mesh))}
   per_replica = accum > 1 and "data" in batch_axes
   pipelined = sizes["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
@@ -177,7 +183,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   if activations is None:
     memory["activations"] = activation_bytes(cfg, mesh, rules)
     memory["backward"] = backward_bytes(cfg, mesh, rules)
-  _activation_traffic(cfg, mesh, comm)
+  _activation_traffic(cfg, mesh, comm, _sequence_parallel(rules, mesh))
   collectives = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
     local = local_sgd.plan(cfg, spec, rules, mesh)
@@ -203,11 +209,11 @@ def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
   return compute / _prod(gathered_axes, mesh)
 
 
-def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
+def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None:
   """Collectives of activations, per step and device.
 
   Per layer and microbatch, each forward of an attention or MLP block under
-  `tensor` all-reduces its output (Megatron), or with sequence parallelism
+  `tensor` all-reduces its output (Megatron), or with `sequence_parallel`
   all-gathers its input and reduce-scatters its output; its backward does the
   transpose, and re-gathers the input it kept split (under full recomputation
   too: XLA gathers again rather than keep the recomputed copy). A layer runs
@@ -238,7 +244,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   # Megatron's MLP blocks: every layer's but the routed ones without a shared expert.
   mlp_passes = layer_passes - (0 if m.moe.shared_mlp_dim else routed_passes)
   block_passes = layer_passes + mlp_passes
-  if cfg.tensor_sequence_parallel:
+  if sequence_parallel:
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
     comm.add("all-gather", {"tensor"}, activation, mesh, gathers * block_passes + 2 * passes)
     comm.add("reduce-scatter", {"tensor"}, activation, mesh,
@@ -251,12 +257,12 @@ def _activation_traffic(cfg, mesh, comm: _Comm) -> None:
   if sizes["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
-    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes)
+    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes, sequence_parallel)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
     sends = round(costs.table_counts(cfg.pipeline.schedule, stages, microbatches,
                                      cfg.pipeline.virtual_stages).sends)
-    sent = activation / (t if cfg.tensor_sequence_parallel else 1)
+    sent = activation / (t if sequence_parallel else 1)
     comm.add("collective-permute", {"pipeline"}, sent, mesh, sends * cfg.grad_accum_steps)
 
 
@@ -291,7 +297,7 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
 
 
 def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: int,
-                     moe_passes: int) -> None:
+                     moe_passes: int, sequence_parallel: bool) -> None:
   """What `meshtrain.parallel.experts` moves, per forward and backward of
   every MoE layer on one device's `rows` x `length` tokens: the buckets of
   tokens to their experts' devices and the outputs back, in the compute
@@ -307,27 +313,36 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   the layer's output and its input gradient are all-gathered from the
   shares, with it a share of the batch is taken from its split of the length
   by all-to-alls. Else every tensor device dispatches every token, and the
-  partial outputs and the input gradient are summed."""
-  moe, m = cfg.model.moe, cfg.model
-  t = _sizes(mesh)["tensor"]
-  axes = [a for a in cfg.expert_parallel.split(",") if a and _sizes(mesh)[a] > 1]
+  partial outputs and the input gradient are summed.
+
+  With a capacity, the routing gathers along the length each chunk's count
+  per expert (int32), where the length is split."""
+  moe, m, sizes = cfg.model.moe, cfg.model, _sizes(mesh)
+  t = sizes["tensor"]
+  axes = [a for a in cfg.expert_parallel.split(",") if a and sizes[a] > 1]
   n = _prod(axes, mesh)
   local = moe.num_experts // n
   per_sequence = model_config(cfg).moe.capacity(cfg.seq_len)
   split = experts.tensor_split(rows, length, t, moe.experts_per_token, local, per_sequence)
-  shares = {"length": (rows, length // t), "batch": (rows // t, length)}.get(split, (rows, length))
-  capacity = experts.expert_capacity(math.prod(shares), shares[0], moe.experts_per_token, local,
-                                     per_sequence)
+  capacity = experts.share_capacity(rows, length, t, split, moe.experts_per_token, local,
+                                    per_sequence)
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   bucket = act_bytes * n * capacity * m.embed_dim
-  w_resends = _sizes(mesh)["pipeline"] > 1
+  w_resends = sizes["pipeline"] > 1
   comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
+  if per_sequence:  # each chunk's count per expert, for the capacity (`sequence.count_before`)
+    length_axes = {a for a in ("sequence",) if sizes[a] > 1} | (
+        {"tensor"} if sequence_parallel else set())
+    ring = sizes["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
+    chunks = sequence.prefix_chunks(cfg.seq_len, _prod(length_axes, mesh), ring)
+    comm.add("all-gather", length_axes, 4 * rows * chunks * moe.num_experts, mesh,
+             forwards * moe_passes)
   activation = act_bytes * rows * length * m.embed_dim
   if split:
     comm.add("all-gather", {"tensor"}, t * bucket, mesh, (forwards + 1 + w_resends) * moe_passes)
     comm.add("reduce-scatter", {"tensor"}, t * bucket, mesh, (forwards + 1) * moe_passes)
-    if not cfg.tensor_sequence_parallel:
+    if not sequence_parallel:
       comm.add("all-gather", {"tensor"}, activation, mesh, (forwards + 1) * moe_passes)
     elif split == "batch":  # from Megatron-SP's split of the length and back, by all-to-alls
       # the input in each forward, the output, and their gradients (W's once more)
@@ -483,7 +498,7 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
                                                              p.virtual_stages)
     layers = stage_layers(cfg)[1]
     per_device_rows = rows // _prod([a for a in BATCH_AXES if _sizes(mesh)[a] > 1], mesh)
-    length = cfg.seq_len // (_sizes(mesh)["tensor"] if cfg.tensor_sequence_parallel else 1)
+    length = cfg.seq_len // (_sizes(mesh)["tensor"] if _sequence_parallel(rules, mesh) else 1)
     inputs = (input_slots * per_device_rows * length * m.embed_dim
               * jnp.dtype(cfg.compute_dtype).itemsize)
   per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)

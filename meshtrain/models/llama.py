@@ -37,7 +37,7 @@ from meshtrain.models.layers import (ATTN_OUT, MLP, MLP_IN, MLP_OUT, QKV, RMSNor
                                      weight_matmul, zeros)
 from meshtrain.models.moe import MoE, MoEConfig
 from meshtrain.models.rope import rotary
-from meshtrain.parallel import attention, experts
+from meshtrain.parallel import attention, experts, sequence
 
 Remat = Literal["none", "full", "selective", "offload"]
 
@@ -90,6 +90,9 @@ class Slots:
     the default runs every expert here.
   token_sum(x_BxLx...) -> x...: a per-token count summed over every token of
     the batch (the MoE balance); the default sums the [batch, length] it sees.
+  count_before(x_BxLxE) -> (before_BxLxE, length): per token, the sum of x
+    over the earlier positions of its sequence, and the sequence's length (an
+    expert's capacity), whatever splits or orders the length it sees.
   aux_loss_weight: how much one forward's auxiliary losses weigh in the step's
     loss (a pipeline runs M forwards a step, each weighing 1/M).
   layer_weights(weights) -> weights: one layer's weights, as its layer runs
@@ -99,6 +102,7 @@ class Slots:
   attention: Callable[..., jax.Array] = attention.causal_attention
   experts: Callable[..., jax.Array] = experts.grouped_experts
   token_sum: Callable[[jax.Array], jax.Array] = _batch_sum
+  count_before: Callable[[jax.Array], tuple[jax.Array, int]] = sequence.count_before
   aux_loss_weight: float = 1.0
   layer_weights: Callable[[Any], Any] | None = None
 
@@ -190,7 +194,7 @@ class Block(nnx.Module):
     if moe:
       moe_layers = cfg.num_layers - cfg.moe.first_dense_layers
       self.mlp = MoE(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, slots.experts, slots.token_sum,
-                     slots.aux_loss_weight / moe_layers)
+                     slots.aux_loss_weight / moe_layers, slots.count_before)
     else:
       self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, rngs)
 

@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
 from meshtrain.models.layers import MLP, MLP_OUT, param
-from meshtrain.parallel import experts as experts_kernels
+from meshtrain.parallel import experts as experts_kernels, sequence
 
 ROUTERS = ("softmax", "sigmoid")
 ROUTER_STD = 0.02
@@ -86,6 +86,11 @@ class Stats(NamedTuple):
   forwards: jax.Array   # 1 per forward
 
 
+# (x_BxLxE) -> (per token, the sum of x over the earlier positions of its
+# sequence; the sequence's length): `meshtrain.parallel.sequence.count_before`.
+CountBefore = Callable[[jax.Array], tuple[jax.Array, int]]
+
+
 def _plain_sum(x: jax.Array) -> jax.Array:
   """Sum over the leading [batch, length] dimensions."""
   return x.sum(axis=(0, 1))
@@ -109,11 +114,27 @@ def _with_aux_bwd(grad_BxLxE, cotangent_BxLxE):
 with_aux_gradient.defvjp(_with_aux_fwd, _with_aux_bwd)
 
 
+def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
+  """`lax.top_k(x, k)[1]` (the highest first, the lower index on a tie), as k
+  argmaxes: reductions over E that XLA partitions along the tokens, where its
+  partitioner gathers every token's scores to each device for a top_k."""
+  chosen = []
+  for _ in range(k):
+    chosen.append(jnp.argmax(x_BxLxE, axis=-1).astype(jnp.int32))
+    x_BxLxE = jnp.where(jax.nn.one_hot(chosen[-1], x_BxLxE.shape[-1], dtype=bool), -jnp.inf,
+                        x_BxLxE)
+  return jnp.stack(chosen, axis=-1)
+
+
 def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoEConfig,
           token_sum: Callable[[jax.Array], jax.Array] = _plain_sum,
-          aux_weight: float = 1.0) -> tuple[Routing, Stats]:
+          aux_weight: float = 1.0,
+          count_before: CountBefore = sequence.count_before) -> tuple[Routing, Stats]:
   """The k experts and weights of every token, and the layer's counts.
-  `aux_weight` is the step loss's weight of this layer's switch loss."""
+  `aux_weight` is the step loss's weight of this layer's switch loss;
+  `count_before` counts, for the capacity, what each expert got earlier in a
+  token's sequence (a token chooses an expert once, so its rank among the
+  expert's assignments is that count)."""
   k, num_experts = cfg.experts_per_token, cfg.num_experts
   # The router whole on each device (an all-gather of D x E): else XLA may
   # reshard it by a collective-permute over every device, which inside a
@@ -123,7 +144,7 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   scores_BxLxE = (jax.nn.softmax(logits_BxLxE, axis=-1) if cfg.router == "softmax"
                   else jax.nn.sigmoid(logits_BxLxE))
   probs_BxLxE = scores_BxLxE / scores_BxLxE.sum(axis=-1, keepdims=True)  # softmax: unchanged
-  _, expert_BxLxK = jax.lax.top_k(jax.lax.stop_gradient(scores_BxLxE) + bias_E, k)
+  expert_BxLxK = top_k_indices(jax.lax.stop_gradient(scores_BxLxE) + bias_E, k)
   chosen_BxLxE = jax.nn.one_hot(expert_BxLxK, num_experts, dtype=jnp.float32).sum(axis=2)
   tokens = token_sum(jnp.ones(x_BxLxD.shape[:2] + (1,), jnp.float32))[0]
   load_E = token_sum(chosen_BxLxE)
@@ -137,25 +158,16 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   if cfg.normalize_top_k:
     weight_BxLxK = weight_BxLxK / weight_BxLxK.sum(axis=-1, keepdims=True)
   weight_BxLxK = weight_BxLxK * cfg.route_scale
-  capacity = cfg.capacity(x_BxLxD.shape[1])
   dropped = jnp.zeros((), jnp.float32)
-  if capacity:
-    kept_BxLxK = _within_capacity(expert_BxLxK, num_experts, capacity)
+  if cfg.capacity_factor:  # first come (by position) first served, per sequence and expert
+    before_BxLxE, length = count_before(chosen_BxLxE.astype(jnp.int32))
+    kept_BxLxK = (jnp.take_along_axis(before_BxLxE, expert_BxLxK, axis=-1)
+                  < cfg.capacity(length))
     dropped = token_sum((~kept_BxLxK).astype(jnp.float32).sum(axis=-1, keepdims=True))[0]
     expert_BxLxK = jnp.where(kept_BxLxK, expert_BxLxK, -1)
     weight_BxLxK = jnp.where(kept_BxLxK, weight_BxLxK, 0.0)
   return (Routing(expert_BxLxK.astype(jnp.int32), weight_BxLxK),
           Stats(load_E, tokens, dropped, aux_loss, jnp.ones((), jnp.float32)))
-
-
-def _within_capacity(expert_BxLxK: jax.Array, num_experts: int, capacity: int) -> jax.Array:
-  """Whether each assignment is among the first `capacity` its expert gets in
-  its sequence, in order of position, then rank."""
-  b, length, k = expert_BxLxK.shape
-  onehot_BxAxE = jax.nn.one_hot(expert_BxLxK.reshape(b, length * k), num_experts, dtype=jnp.int32)
-  before_BxAxE = jnp.cumsum(onehot_BxAxE, axis=1) - onehot_BxAxE
-  rank_BxA = jnp.sum(before_BxAxE * onehot_BxAxE, axis=-1)
-  return (rank_BxA < capacity).reshape(b, length, k)
 
 
 def update_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
@@ -184,9 +196,11 @@ class MoE(nnx.Module):
 
   def __init__(self, embed_dim: int, hidden_dim: int, cfg: MoEConfig, rngs: nnx.Rngs,
                experts: ExpertsFn = experts_kernels.grouped_experts,
-               token_sum: Callable[[jax.Array], jax.Array] = _plain_sum, aux_weight: float = 1.0):
+               token_sum: Callable[[jax.Array], jax.Array] = _plain_sum, aux_weight: float = 1.0,
+               count_before: CountBefore = sequence.count_before):
     d, e, f = embed_dim, cfg.num_experts, cfg.mlp_dim or hidden_dim
     self.cfg, self.experts, self.token_sum, self.aux_weight = cfg, experts, token_sum, aux_weight
+    self.count_before = count_before
     # std 0.02, as Megatron and transformers draw routers: near-uniform scores at first.
     self.router_DxE = param(rngs, (d, e), (r.EMBED, None), fan_in=ROUTER_STD**-2)
     self.w_gate_ExDxF = param(rngs, (e, d, f), (r.EXPERTS, r.EMBED, r.EXPERT_MLP), d)
@@ -198,7 +212,7 @@ class MoE(nnx.Module):
 
   def forward(self, x_BxLxD: jax.Array) -> tuple[jax.Array, Stats]:
     routing, stats = route(x_BxLxD, self.router_DxE[...], self.bias_E[...], self.cfg,
-                           self.token_sum, self.aux_weight)
+                           self.token_sum, self.aux_weight, self.count_before)
     y_BxLxD = self.experts(x_BxLxD, routing.expert_BxLxK, routing.weight_BxLxK,
                            self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...],
                            gemm=self.cfg.grouped_gemm)

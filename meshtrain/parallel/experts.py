@@ -364,6 +364,15 @@ def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tu
   return batch, length_axes
 
 
+def share_capacity(rows: int, length: int, tensor: int, split: str, k: int, local: int,
+                   per_sequence: int = 0) -> int:
+  """A bucket's size when each of `tensor` devices dispatches its `split`
+  share (`tensor_split`) of a device's `rows` x `length` tokens."""
+  rows, length = {"length": (rows, length // tensor),
+                  "batch": (rows // tensor, length)}.get(split, (rows, length))
+  return expert_capacity(rows * length, rows, k, local, per_sequence)
+
+
 def tensor_split(rows: int, length: int, tensor: int, k: int, local: int,
                  per_sequence: int = 0) -> str:
   """Which of a device's `rows` x `length` tokens each of `tensor` devices
@@ -374,14 +383,11 @@ def tensor_split(rows: int, length: int, tensor: int, k: int, local: int,
   need no reshard). Dropless both splits halve the buckets; with a capacity
   per sequence only the batch does, since one device's share of a sequence
   may send as many rows to an expert as the whole sequence."""
-  bucket = lambda rows, length: expert_capacity(  # noqa: E731
-      rows * length, rows, k, local, per_sequence)
-  choices = [("", bucket(rows, length))]
-  if tensor > 1 and length % tensor == 0:
-    choices.append(("length", tensor * bucket(rows, length // tensor)))
-  if tensor > 1 and rows % tensor == 0:
-    choices.append(("batch", tensor * bucket(rows // tensor, length)))
-  return min(choices, key=lambda choice: (choice[1], not choice[0], choice[0] == "batch"))[0]
+  divides = {"": True, "length": length % tensor == 0, "batch": rows % tensor == 0}
+  rows_run = {split: (tensor if split else 1) * share_capacity(rows, length, tensor, split, k,
+                                                               local, per_sequence)
+              for split, ok in divides.items() if ok and (tensor > 1 or not split)}
+  return min(rows_run, key=lambda split: (rows_run[split], not split, split == "batch"))
 
 
 def _resplit(x_BxLx_: jax.Array, tensor: str | None, source: str, target: str) -> jax.Array:
@@ -411,19 +417,15 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
   n = math.prod(mesh.shape[a] for a in axes)
   local, k = w_gate_ExDxF.shape[0] // n, expert_BxLxK.shape[-1]
   rows = b // math.prod(mesh.shape[a] for a in batch)
-  tokens = rows * length // math.prod(mesh.shape[a] for a in length_axes)
-  length_here = tokens // rows
-  split = tensor_split(rows, length_here, mesh.shape[tensor], k, local, per_sequence) \
-      if tensor else ""
+  length_here = length // math.prod(mesh.shape[a] for a in length_axes)
+  t = mesh.shape[tensor] if tensor else 1
+  split = tensor_split(rows, length_here, t, k, local, per_sequence)
   # The tokens come split over `tensor` by the length under Megatron-SP, else
   # whole: a split of the batch then takes them by an all-to-all over `tensor`.
   rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
   arrival = ("length" if split and tensor in rules.get(r.RES_LENGTH, ())
-             and length_here % mesh.shape[tensor] == 0 else split)
-  if split:
-    rows, tokens = (rows // mesh.shape[tensor] if split == "batch" else rows,
-                    tokens // mesh.shape[tensor])
-  capacity = expert_capacity(tokens, rows, k, local, per_sequence)
+             and length_here % t == 0 else split)
+  capacity = share_capacity(rows, length_here, t, split, k, local, per_sequence)
   with_tensor = lambda axes, dim: tuple(  # noqa: E731
       sorted((*axes, tensor), key=AXES.index)) if arrival == dim else axes
   batch, length_axes = with_tensor(batch, "batch"), with_tensor(length_axes, "length")

@@ -373,3 +373,53 @@ def _from_zigzag(x_BxTxJxH: jax.Array, axis: str, n: int) -> jax.Array:
   even = _permute(jnp.where(i_is_even, early, late), axis, [(d, s) for s, d in even_pairs])
   odd = _permute(jnp.where(i_is_even, late, early), axis, [(d, s) for s, d in odd_pairs])
   return jnp.concatenate([even, odd], axis=1)
+
+
+def prefix_chunks(length: int, split: int, zigzag_over: int = 0, shards: int = 1) -> int:
+  """Into how many chunks `count_before` cuts the `length` it sees, one of
+  `shards` of the sequence (manual), split `split` ways by the rules: as many
+  as the splits and the zigzag's chunks (over `zigzag_over` devices) need."""
+  aligned = 2 * zigzag_over // shards if zigzag_over else 1
+  chunks = math.lcm(aligned, split)
+  return chunks if length % chunks == 0 else aligned
+
+
+def count_before(x_BxLxE: jax.Array, *, zigzag: bool = False,
+                 axis: str = "sequence") -> tuple[jax.Array, int]:
+  """For each token, the sum of `x` over the tokens at earlier positions of
+  its sequence (an exclusive prefix sum in position order), and the
+  sequence's whole length, however the mesh in context splits and orders the
+  length it sees: this device's shard of it where `axis` is manual (inside
+  the pipeline's shard_map), the ring's zigzag order over `axis` where
+  `zigzag` (as `ring_order` lays the batch), split over the mesh axes the
+  active rules give `RES_LENGTH`. Without a mesh, a plain prefix sum.
+
+  The length is cut into chunks that no shard and no zigzag chunk straddles:
+  each chunk sums its own tokens and adds the [B, E] totals of the chunks at
+  earlier positions, so only the chunks' totals cross devices (an all-gather
+  over `axis` where it is manual, else over the rules' axes)."""
+  b, length, e = x_BxLxE.shape
+  mesh = jax.sharding.get_abstract_mesh()
+  n = 1 if mesh.empty else mesh.shape.get(axis, 1)
+  zigzag_over = n if zigzag and n > 1 else 0
+  manual = axis if n > 1 and axis in mesh.manual_axes else None
+  shards = n if manual else 1
+  chunks = prefix_chunks(length, r.shards(r.RES_LENGTH, length), zigzag_over, shards)
+  x_BxCxTxE = x_BxLxE.reshape(b, chunks, length // chunks, e)
+  totals_BxCxE = x_BxCxTxE.sum(axis=2)
+  totals_BxGxE = (lax.all_gather(totals_BxCxE, manual, axis=1, tiled=True) if manual
+                  else r.constrain(totals_BxCxE, (r.BATCH, None, None)))
+  # Each chunk's place in position order, the chunks of the whole length in the order they lie.
+  g = totals_BxGxE.shape[1]
+  place_G = np.arange(g)
+  if zigzag_over:
+    per_zigzag_chunk = g // (2 * zigzag_over)
+    zigzag_G = zigzag_order(2 * zigzag_over, zigzag_over)
+    place_G = zigzag_G[place_G // per_zigzag_chunk] * per_zigzag_chunk + place_G % per_zigzag_chunk
+  earlier_GxG = jnp.asarray(place_G[:, None] < place_G[None, :], x_BxLxE.dtype)
+  earlier_BxGxE = jnp.einsum("bge,gh->bhe", totals_BxGxE, earlier_GxG)
+  if manual:
+    earlier_BxGxE = lax.dynamic_slice_in_dim(earlier_BxGxE, lax.axis_index(manual) * chunks,
+                                             chunks, axis=1)
+  before_BxCxTxE = (jnp.cumsum(x_BxCxTxE, axis=2) - x_BxCxTxE) + earlier_BxGxE[:, :, None]
+  return before_BxCxTxE.reshape(b, length, e), length * shards

@@ -6,7 +6,8 @@ The others fill the model's `Slots` and order its batch:
   - context parallelism (`sequence` > 1): the attention slot gets
     `sequence.sequence_attention` with the configured strategy; under `ring`
     the batch comes in the ring's zigzag token order (`batch_order`), so the
-    layers run in that order throughout;
+    layers run in that order throughout, an MoE layer's capacity counting
+    in position order through it (`sequence.count_before`);
   - expert parallelism (`model.moe.num_experts` > 0): the experts slot gets
     `experts.expert_parallel` over `config.expert_parallel`'s axes;
   - weight offload (`offload.params`): the layer-weights slot brings each
@@ -76,6 +77,9 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
     slot["experts"] = functools.partial(
         experts.expert_parallel, axes=expert_axes(cfg),
         per_sequence=model_config(cfg).moe.capacity(cfg.seq_len))
+  if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
+    # An expert's capacity counts in position order, through the zigzag.
+    slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)
   if cfg.model.moe.num_experts and mesh.shape["pipeline"] > 1:
     # Inside the pipeline's shard_map `data` (unless local SGD's replica
     # axis) and `sequence` are manual: the counts sum over them; and each of
