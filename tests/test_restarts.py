@@ -23,9 +23,11 @@ from conftest import REPO, micro_config, micro_flags
 from meshtrain import launch, workdir as saved_run
 from meshtrain.train.setup import build
 
-# A stand-in for `meshtrain COMMAND`: argv[1] a folder counting its starts,
-# argv[2] what each attempt does, e.g. "1:4,ok": in the first, process 1 exits
-# 4 (the others wait to be stopped); in the second, all succeed.
+# A stand-in for `meshtrain COMMAND` in 2 processes: argv[1] a folder counting
+# their starts, argv[2] what each attempt does, e.g. "1:4,ok": in the first,
+# process 1 exits 4 (the other waits to be stopped); in the second, both
+# succeed. The failing process waits until both have started, so that a
+# process stopped early still counts its start.
 STAND_IN = """
 import os, pathlib, signal, sys, time
 i = int(next(a for a in sys.argv if a.startswith("--config.distributed.process_id=")).split("=")[1])
@@ -39,7 +41,9 @@ if action == "ok":
 who, what = action.split(":")
 if int(who) != i:
   time.sleep(120)
-elif what == "KILL":
+while len(list(starts.glob(f"start-*-{attempt}"))) < 2:
+  time.sleep(0.01)
+if what == "KILL":
   os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(int(what))
 """
