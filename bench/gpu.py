@@ -214,7 +214,8 @@ def render(rows: list[dict]) -> None:
       f"{table(rows)}",
       command=f"python bench/gpu.py --model {first['model']} --batch {first['batch']} "
               f"--seq {first['seq_len']} --steps {first['steps']} --settings {settings}",
-      measured_on=f"{first['date']}, jax {first['jax']}, one {first['device']}")
+      measured_on=f"{' and '.join(sorted({row['date'] for row in rows if 'date' in row}))}, "
+                  f"jax {first['jax']}, one {first['device']}")
 
 
 def sweep(args) -> None:
