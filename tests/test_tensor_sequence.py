@@ -8,15 +8,20 @@ import pytest
 
 from conftest import micro_config
 from meshtrain.analysis import hlo
-from meshtrain.analysis.plan import compile_step
+from meshtrain.analysis.plan import analytic, compile_step
 from meshtrain.train.setup import build
 
 
 def compiled_ops(**changes):
+  cfg, setup, compiled = compiled_step(**changes)
+  return cfg, hlo.collective_ops(compiled, setup.mesh)
+
+
+def compiled_step(**changes):
   cfg = micro_config()
   cfg.update(changes)  # nested dicts update sub-configs key by key
   setup = build(cfg)
-  return cfg, hlo.collective_ops(compile_step(setup), setup.mesh)
+  return cfg, setup, compile_step(setup)
 
 
 def in_loop_bytes(ops):
@@ -43,6 +48,36 @@ def test_sequence_parallel_turns_the_all_reduces_into_gathers_and_scatters():
   tp, sp = in_loop_bytes(tp), in_loop_bytes(sp)
   assert sp[("all-gather", "tensor")] > 0 and sp[("reduce-scatter", "tensor")] > 0
   assert sp[("all-reduce", "tensor")] < 0.2 * tp[("all-reduce", "tensor")]
+
+
+@pytest.mark.parametrize("mesh, sequence_parallel, vocab", [
+    (dict(data=2, tensor=4), False, 512), (dict(data=2, tensor=4), True, 512),
+    (dict(data=1, fsdp=4, tensor=2), True, 64)])
+def test_the_embedding_moves_its_rows_over_tensor_never_its_table(mesh, sequence_parallel, vocab):
+  """A lookup in the vocabulary-split table sums the looked-up rows over
+  `tensor` (reduce-scattered along the length under Megatron-SP, whose
+  backward gathers the rows' gradient along it), and `plan` counts
+  `tensor`'s gathers and scatters as compiled, to the byte. No collective
+  carries the [vocab, embed] table or its gradient. When the lookup came out
+  in the residual's split, XLA chose by size: for a table no larger than a
+  device's rows (vocab 64) it all-gathered the table forward and all-reduced
+  its whole gradient backward; for a larger one it gathered the tokens and
+  moved rows by collective-permutes that `plan` does not have."""
+  cfg, setup, compiled = compiled_step(mesh=mesh, model=dict(vocab_size=vocab, num_kv_heads=4),
+                                       tensor_sequence_parallel=sequence_parallel)
+  table = f"[{cfg.model.vocab_size},{cfg.model.embed_dim}]"
+  module = hlo._parse_module(compiled.as_text())
+  moved = [i.shape for i in module.instructions()
+           if i.opcode.startswith(("all-gather", "all-reduce", "reduce-scatter"))]
+  assert not [shape for shape in moved if table in shape], moved
+  measured = collections.Counter()
+  for c in hlo.collectives(compiled, setup.mesh):
+    measured[c.kind, c.axis] += c.bytes
+  planned = {(c["kind"], c["axis"]): c["bytes"]
+             for c in analytic(cfg, setup.spec, setup.rules, setup.mesh)["collectives"]}
+  kinds = ("all-gather", "reduce-scatter") if sequence_parallel else ("all-gather",)
+  for kind in kinds:
+    assert measured[kind, "tensor"] == planned.get((kind, "tensor"), 0), kind
 
 
 @pytest.mark.parametrize("strategy, kind", [("ulysses", "all-to-all"),

@@ -220,7 +220,9 @@ def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None
   its forward once, and again under full recomputation, where the recomputed
   block's last reduce-scatter is dead code. The embedding lookup in a
   vocabulary-split table and the head's input gradient are summed over
-  `tensor` once each, and the vocabulary-split cross-entropy all-reduces
+  `tensor` once each (reduce-scattered under `sequence_parallel`, where the
+  head's input and the lookup's gradient are all-gathered), and the
+  vocabulary-split cross-entropy all-reduces
   three float32 numbers per token (Megatron's vocab-parallel loss). Under
   `sequence` attention moves K and V (`_sequence_attention`). A pipeline
   sends one activation right and one gradient left every tick, and its W
@@ -248,7 +250,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
     comm.add("all-gather", {"tensor"}, activation, mesh, gathers * block_passes + 2 * passes)
     comm.add("reduce-scatter", {"tensor"}, activation, mesh,
-             (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + passes)
+             (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + 2 * passes)
   else:
     comm.add("all-reduce", {"tensor"}, activation, mesh,
              (forwards + 1) * block_passes + 2 * passes)
@@ -307,7 +309,8 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
 
   Under `tensor`, each tensor device dispatches its share of the tokens
   where that makes the buckets no bigger (`experts.tensor_split`): the rows
-  that arrive are all-gathered over `tensor` for its slices of the experts and
+  that arrive are all-gathered over `tensor` for its slices of the experts
+  (with their int32 experts, each forward) and
   the partial outputs reduce-scattered back (and the transposes in the
   backward, W gathering the output gradients once more); without Megatron-SP
   the layer's output and its input gradient are all-gathered from the
@@ -341,6 +344,7 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   activation = act_bytes * rows * length * m.embed_dim
   if split:
     comm.add("all-gather", {"tensor"}, t * bucket, mesh, (forwards + 1 + w_resends) * moe_passes)
+    comm.add("all-gather", {"tensor"}, 4 * t * n * capacity, mesh, forwards * moe_passes)
     comm.add("reduce-scatter", {"tensor"}, t * bucket, mesh, (forwards + 1) * moe_passes)
     if not sequence_parallel:
       comm.add("all-gather", {"tensor"}, activation, mesh, (forwards + 1) * moe_passes)

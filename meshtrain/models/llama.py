@@ -251,8 +251,14 @@ class Embed(nnx.Module):
     return r.constrain(self.embedding_VxD[...], (r.VOCAB, r.ACT_EMBED))
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-    return r.constrain(self.table()[tokens_BxL].astype(self.dtype),
-                       (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
+    """The rows of `tokens_BxL`, looked up along the whole of each device's
+    length and then split as the residual stream is (Megatron-SP's
+    vocabulary-parallel embedding: a reduce-scatter forward, an all-gather of
+    the rows' gradient backward). Looked up in the residual's split, the
+    backward would sum the whole [vocab, embed] gradient over `tensor`."""
+    x_BxLxD = r.constrain(self.table()[tokens_BxL].astype(self.dtype),
+                          (r.BATCH, r.LENGTH, r.ACT_EMBED))
+    return r.constrain(x_BxLxD, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
 
 
 @jax.custom_vjp

@@ -383,10 +383,11 @@ def tensor_split(rows: int, length: int, tensor: int, k: int, local: int,
   need no reshard). Dropless both splits halve the buckets; with a capacity
   per sequence only the batch does, since one device's share of a sequence
   may send as many rows to an expert as the whole sequence."""
-  divides = {"": True, "length": length % tensor == 0, "batch": rows % tensor == 0}
+  divides = {"": True, "length": tensor > 1 and length % tensor == 0,
+             "batch": tensor > 1 and rows % tensor == 0}
   rows_run = {split: (tensor if split else 1) * share_capacity(rows, length, tensor, split, k,
                                                                local, per_sequence)
-              for split, ok in divides.items() if ok and (tensor > 1 or not split)}
+              for split, ok in divides.items() if ok}
   return min(rows_run, key=lambda split: (rows_run[split], not split, split == "batch"))
 
 
