@@ -70,10 +70,16 @@ def _expert_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
                    for a in jax.tree.leaves(part))
 
 
+def _length_axes(rules: r.ShardingRules, mesh) -> set[str]:
+  """The mesh axes that split the residual stream's length (`sequence`, and
+  `tensor` under Megatron-SP), by the rules the model traces under."""
+  return {a for a in dict(rules.params).get(r.RES_LENGTH, ()) if _sizes(mesh)[a] > 1}
+
+
 def _sequence_parallel(rules: r.ShardingRules, mesh) -> bool:
   """Whether the residual stream comes split by the length over `tensor`
-  (Megatron-SP), by the rules the model traces under."""
-  return _sizes(mesh)["tensor"] > 1 and "tensor" in dict(rules.params).get(r.RES_LENGTH, ())
+  (Megatron-SP)."""
+  return "tensor" in _length_axes(rules, mesh)
 
 
 @functools.lru_cache(maxsize=4096)  # meshes are interned: one entry each
@@ -126,8 +132,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   batch_axes = {a for a in BATCH_AXES if sizes[a] > 1}
   # Gradients are summed over every axis that splits the tokens (with sequence
   # parallelism `tensor` too, for the weights it does not split: norm scales).
-  token_axes = batch_axes | {a for a in ("sequence", "tensor") if sizes[a] > 1 and (
-      a == "sequence" or _sequence_parallel(rules, mesh))}
+  token_axes = batch_axes | _length_axes(rules, mesh)
   per_replica = accum > 1 and "data" in batch_axes
   pipelined = sizes["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
@@ -183,7 +188,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   if activations is None:
     memory["activations"] = activation_bytes(cfg, mesh, rules)
     memory["backward"] = backward_bytes(cfg, mesh, rules)
-  _activation_traffic(cfg, mesh, comm, _sequence_parallel(rules, mesh))
+  _activation_traffic(cfg, mesh, comm, _length_axes(rules, mesh))
   collectives = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
     local = local_sgd.plan(cfg, spec, rules, mesh)
@@ -209,21 +214,22 @@ def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
   return compute / _prod(gathered_axes, mesh)
 
 
-def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None:
-  """Collectives of activations, per step and device.
+def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
+  """Collectives of activations, per step and device, the residual stream's
+  length split over `length_axes`.
 
   Per layer and microbatch, each forward of an attention or MLP block under
-  `tensor` all-reduces its output (Megatron), or with `sequence_parallel`
+  `tensor` all-reduces its output (Megatron), or under Megatron-SP
   all-gathers its input and reduce-scatters its output; its backward does the
   transpose, and re-gathers the input it kept split (under full recomputation
   too: XLA gathers again rather than keep the recomputed copy). A layer runs
   its forward once, and again under full recomputation, where the recomputed
   block's last reduce-scatter is dead code. The embedding lookup in a
   vocabulary-split table and the head's input gradient are summed over
-  `tensor` once each (reduce-scattered under `sequence_parallel`, where the
-  head's input and the lookup's gradient are all-gathered), and the
-  vocabulary-split cross-entropy all-reduces
-  three float32 numbers per token (Megatron's vocab-parallel loss). Under
+  `tensor` once each (reduce-scattered under Megatron-SP, where the head's
+  input and the lookup's gradient are all-gathered), and the vocabulary-split
+  cross-entropy all-reduces three float32 numbers per token (Megatron's
+  vocab-parallel loss). Under
   `sequence` attention moves K and V (`_sequence_attention`). A pipeline
   sends one activation right and one gradient left every tick, and its W
   (the weight gradients, split from B) gathers a block's input once more.
@@ -232,6 +238,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   sizes = _sizes(mesh)
   stages, t = sizes["pipeline"], sizes["tensor"]
+  sequence_parallel = "tensor" in length_axes
   microbatches = cfg.pipeline.microbatches if stages > 1 else 1
   rows = cfg.global_batch // cfg.grad_accum_steps // microbatches // _prod(
       [a for a in BATCH_AXES if sizes[a] > 1], mesh)
@@ -259,7 +266,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm, sequence_parallel: bool) -> None
   if sizes["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
-    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes, sequence_parallel)
+    _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes, length_axes)
   if stages > 1:
     # Every stage sends after the ticks where some stage receives (runtime.py).
     sends = round(costs.table_counts(cfg.pipeline.schedule, stages, microbatches,
@@ -299,7 +306,7 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
 
 
 def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: int,
-                     moe_passes: int, sequence_parallel: bool) -> None:
+                     moe_passes: int, length_axes: set[str]) -> None:
   """What `meshtrain.parallel.experts` moves, per forward and backward of
   every MoE layer on one device's `rows` x `length` tokens: the buckets of
   tokens to their experts' devices and the outputs back, in the compute
@@ -321,7 +328,7 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   With a capacity, the routing gathers along the length each chunk's count
   per expert (int32), where the length is split."""
   moe, m, sizes = cfg.model.moe, cfg.model, _sizes(mesh)
-  t = sizes["tensor"]
+  t, sequence_parallel = sizes["tensor"], "tensor" in length_axes
   axes = [a for a in cfg.expert_parallel.split(",") if a and sizes[a] > 1]
   n = _prod(axes, mesh)
   local = moe.num_experts // n
@@ -335,8 +342,6 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
   comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
   if per_sequence:  # each chunk's count per expert, for the capacity (`sequence.count_before`)
-    length_axes = {a for a in ("sequence",) if sizes[a] > 1} | (
-        {"tensor"} if sequence_parallel else set())
     ring = sizes["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
     chunks = sequence.prefix_chunks(cfg.seq_len, _prod(length_axes, mesh), ring)
     comm.add("all-gather", length_axes, 4 * rows * chunks * moe.num_experts, mesh,
