@@ -229,10 +229,10 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
   `tensor` once each (reduce-scattered under Megatron-SP, where the head's
   input and the lookup's gradient are all-gathered), and the vocabulary-split
   cross-entropy all-reduces three float32 numbers per token (Megatron's
-  vocab-parallel loss). Under
-  `sequence` attention moves K and V (`_sequence_attention`). A pipeline
-  sends one activation right and one gradient left every tick, and its W
-  (the weight gradients, split from B) gathers a block's input once more.
+  vocab-parallel loss). Under `sequence` attention moves K and V
+  (`_sequence_attention`). A pipeline sends one activation right and one
+  gradient left every tick, and its W (the weight gradients, split from B)
+  gathers a block's input once more.
   """
   m = cfg.model
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize

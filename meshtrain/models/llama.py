@@ -254,8 +254,9 @@ class Embed(nnx.Module):
     """The rows of `tokens_BxL`, looked up along the whole of each device's
     length and then split as the residual stream is (Megatron-SP's
     vocabulary-parallel embedding: a reduce-scatter forward, an all-gather of
-    the rows' gradient backward). Looked up in the residual's split, the
-    backward would sum the whole [vocab, embed] gradient over `tensor`."""
+    the rows' gradient backward). Looked up in the residual's split, XLA
+    moved the table and its whole gradient over `tensor`, or rows by
+    collective-permutes, by their sizes (docs/tensor.md)."""
     x_BxLxD = r.constrain(self.table()[tokens_BxL].astype(self.dtype),
                           (r.BATCH, r.LENGTH, r.ACT_EMBED))
     return r.constrain(x_BxLxD, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
