@@ -8,6 +8,7 @@ it starts share through the environment.
 """
 
 import atexit
+import collections
 import os
 import shutil
 import sys
@@ -71,3 +72,15 @@ def micro_config(**changes):
 def micro_flags(**changes) -> list[str]:
   """The same config as `micro_config(**changes)`, as `meshtrain train` flags."""
   return [f"--config.{key}={value}" for key, value in {**MICRO, **changes}.items()]
+
+
+def step_collectives(compiled, mesh) -> dict:
+  """The compiled step's collectives by (kind, axis): count and bytes, in
+  loops and out of them, as `plan` gives them."""
+  from meshtrain.analysis import hlo
+
+  totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+  for c in hlo.collectives(compiled, mesh):
+    totals[c.kind, c.axis]["count"] += c.count
+    totals[c.kind, c.axis]["bytes"] += c.bytes
+  return totals

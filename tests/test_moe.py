@@ -3,7 +3,6 @@
 experts split over mesh axes; its balance and capacity rules; the switch loss
 against transformers'."""
 
-import collections
 import dataclasses
 import functools
 import json
@@ -21,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import micro_config, tiered
+from conftest import micro_config, step_collectives, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from meshtrain import rules as r
@@ -399,16 +398,6 @@ def test_moe_in_half_precision_tracks_float32(dtype):
       losses.setdefault(working, []).append(float(metrics["loss"]))
     assert int(metrics["nonfinite_steps"]) == 0
   np.testing.assert_allclose(losses[dtype], losses["float32"], atol=0.03)
-
-
-def step_collectives(compiled, mesh) -> dict:
-  """The compiled step's collectives by (kind, axis): count and bytes, in
-  loops and out of them, as `plan` gives them."""
-  totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-  for c in hlo.collectives(compiled, mesh):
-    totals[c.kind, c.axis]["count"] += c.count
-    totals[c.kind, c.axis]["bytes"] += c.bytes
-  return totals
 
 
 def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_no_expert():

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from conftest import micro_config
+from conftest import micro_config, step_collectives
 from meshtrain.analysis import hlo
 from meshtrain.analysis.plan import analytic, compile_step
 from meshtrain.train.setup import build
@@ -70,14 +70,12 @@ def test_the_embedding_moves_its_rows_over_tensor_never_its_table(mesh, sequence
   moved = [i.shape for i in module.instructions()
            if i.opcode.startswith(("all-gather", "all-reduce", "reduce-scatter"))]
   assert not [shape for shape in moved if table in shape], moved
-  measured = collections.Counter()
-  for c in hlo.collectives(compiled, setup.mesh):
-    measured[c.kind, c.axis] += c.bytes
+  measured = step_collectives(compiled, setup.mesh)
   planned = {(c["kind"], c["axis"]): c["bytes"]
              for c in analytic(cfg, setup.spec, setup.rules, setup.mesh)["collectives"]}
   kinds = ("all-gather", "reduce-scatter") if sequence_parallel else ("all-gather",)
   for kind in kinds:
-    assert measured[kind, "tensor"] == planned.get((kind, "tensor"), 0), kind
+    assert measured[kind, "tensor"]["bytes"] == planned.get((kind, "tensor"), 0), kind
 
 
 @pytest.mark.parametrize("strategy, kind", [("ulysses", "all-to-all"),
