@@ -378,7 +378,9 @@ class StepModel:
     excess = sum(costs.gemm_seconds(*g, cluster.peak_flops, cluster.memory_bandwidth,
                                     self.efficiency) - 2 * math.prod(g) / (
                                         cluster.peak_flops * self.efficiency) for g in gemms)
-    widths = sum(n for _, _, n in gemms)  # the activations the layer's matmuls write
+    # The activations the layer's matmuls write, a token's share: a routed
+    # expert writes its width on the rows it receives, not on every token.
+    widths = sum(rows_in * n for rows_in, _, n in gemms) / tokens
     # Of them, the width-wide partial sums of the tensor-parallel output
     # projections (attention's and the MLP's down projection): under Megatron's
     # sequence parallelism they are reduce-scattered (read once whole) and the
