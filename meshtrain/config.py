@@ -70,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.experts_per_token = 2   # k: experts each token goes to
   c.model.moe.mlp_dim = 0             # each expert's SwiGLU hidden size (0: model.mlp_dim)
   c.model.moe.shared_mlp_dim = 0      # a dense SwiGLU beside the routed experts (0: none; DeepSeek, Qwen2-MoE)
+  c.model.moe.shared_gate = False     # scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE)
   c.model.moe.first_dense_layers = 0  # leading layers that keep the dense MLP (DeepSeek-V3: 3)
   c.model.moe.router = "softmax"      # expert scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
   c.model.moe.normalize_top_k = True  # renormalise the k chosen scores to sum to 1 (Mixtral; Qwen3's norm_topk_prob)

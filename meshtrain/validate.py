@@ -168,6 +168,10 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
                                         if name != "num_experts")]},
+    "model.moe.shared_gate": (lambda c, sizes: not (c.model.moe.num_experts
+                                                    and c.model.moe.shared_mlp_dim),
+                              "the model has no shared expert to gate; set "
+                              "config.model.moe.num_experts and model.moe.shared_mlp_dim > 0"),
 }
 
 

@@ -113,6 +113,8 @@ CASES = [
      "config.model.moe.capacity_factor"),
     ("train", ["--config.model.moe.num_experts=4", "--config.mesh.data=4", "--config.mesh.tensor=2",
                "--config.model.moe.shared_mlp_dim=7"], "config.model.moe.shared_mlp_dim"),
+    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.shared_gate=true"],
+     "config.model.moe.shared_gate"),  # no shared expert to gate
     # optimizer, local SGD, loss scaling, evaluation, RoPE scaling, tokenizer
     ("train", ["--config.optimizer.name=adamx"], "config.optimizer.name"),
     ("train", ["--config.optimizer.momentum=0.5"], "config.optimizer.momentum"),  # adamw's

@@ -1,4 +1,5 @@
-"""Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE)
+"""Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE,
+Qwen2-MoE)
 against transformers on random models it writes itself: imported logits on one
 device and sharded, greedy generation, export that transformers loads back
 tensor for tensor, both expert layouts on disk, fine-tuning from the weights,
@@ -39,6 +40,9 @@ FAMILIES = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                       norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3),
+    # q/k/v biases, unnormalised top-k weights, a gated shared expert on every token
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40),
 }
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5)
@@ -149,6 +153,33 @@ def test_export_loads_back_in_transformers_tensor_for_tensor(family_model, tmp_p
   np.testing.assert_array_equal(hf_logits(reloaded, x), hf_logits(model, x))
 
 
+MADE_HERE = {  # meshtrain options -> the family they export as
+    "mixtral": dict(),
+    "qwen3_moe": {"model.qk_norm": True, "model.moe.normalize_top_k": False,
+                  "model.moe.first_dense_layers": 1},
+    "qwen2_moe": {"model.qkv_bias": True, "model.moe.normalize_top_k": False,
+                  "model.moe.shared_mlp_dim": 40, "model.moe.shared_gate": True},
+}
+
+
+@pytest.mark.parametrize("family", MADE_HERE)
+def test_an_moe_model_made_here_exports_as_its_family_with_its_logits(tmp_path, family):
+  """No imported config to copy: `to_hf` writes the family's keys itself,
+  and transformers, loading what was written, computes meshtrain's logits."""
+  cfg = micro_config(**{"model.moe.num_experts": 4, "model.moe.mlp_dim": 24,
+                        "workdir": str(tmp_path / "run"), **MADE_HERE[family]})
+  setup = build(cfg, jax.devices()[:1])
+  params = setup.init_state().params
+  # A random norm scale (they start at 1) and q/k/v bias (at 0) must land too.
+  params = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params)
+  export_hf(cfg, params, tmp_path / "run", tmp_path / "exported")
+  written = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert written["model_type"] == family
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+  x = tokens()
+  assert_logits_close(meshtrain_logits(cfg, params, x, setup), hf_logits(model, x))
+
+
 def fused(directory, out):
   """The model in transformers v5's in-memory layout: each layer's experts in
   one `mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj`
@@ -209,8 +240,10 @@ def _edit(directory, **changes):
     ("qwen3", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] \(only leading"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
-    ("qwen3", dict(model_type="qwen2_moe"), "model_type 'qwen2_moe'; meshtrain imports llama, "
-                                            "mistral, qwen2, qwen3, mixtral, qwen3_moe")])
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
+    ("qwen3", dict(model_type="deepseek_v3"), "model_type 'deepseek_v3'; meshtrain imports "
+                                              "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
+                                              "qwen2_moe")])
 def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, family, changes,
                                                                      message):
   save_hf_model(tmp_path / "hf", family)

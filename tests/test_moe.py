@@ -20,12 +20,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import micro_config, step_collectives, tiered
+from conftest import REPO, micro_config, step_collectives, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
 from meshtrain.analysis.plan import compile_step, plan
+from meshtrain.config import load
 from meshtrain.mesh import make_mesh
 from meshtrain.models.layers import MLP
 from meshtrain.models.moe import MoE, MoEConfig, top_k_indices, update_bias
@@ -366,6 +367,9 @@ COMPOSITIONS = {
     "fsdp=8 shared expert, first layer dense, sigmoid": dict(
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
                                                        router="sigmoid", route_scale=2.5))),
+    "fsdp=4 tensor=2 gated shared expert (Qwen2-MoE)": dict(
+        mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
+        model=dict(moe=dict(shared_mlp_dim=32, shared_gate=True, normalize_top_k=False))),
 }
 
 
@@ -398,6 +402,18 @@ def test_moe_in_half_precision_tracks_float32(dtype):
       losses.setdefault(working, []).append(float(metrics["loss"]))
     assert int(metrics["nonfinite_steps"]) == 0
   np.testing.assert_allclose(losses[dtype], losses["float32"], atol=0.03)
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    ("mixtral_8x7b", 46.7e9, 12.9e9), ("qwen3_30b_a3b", 30.5e9, 3.3e9),
+    ("qwen1_5_moe_a2_7b", 14.3e9, 2.7e9)])
+def test_the_moe_presets_have_their_published_total_and_active_parameters(preset, total, active):
+  """The model cards' counts, within 2% (they give two or three digits;
+  Qwen3-30B-A3B's 3.3B active is 3.35B counted), Qwen1.5-MoE-A2.7B's gated
+  shared expert and q/k/v biases included."""
+  report = plan(load(REPO / "configs" / f"{preset}.py"), 64, False)
+  assert report["parameters"] == pytest.approx(total, rel=0.02)
+  assert report["active_parameters"] == pytest.approx(active, rel=0.02)
 
 
 def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_no_expert():

@@ -8,6 +8,8 @@ families meshtrain's one decoder covers (`FAMILIES`):
   mixtral    Mistral's attention, every MLP routed: softmax top-k, renormalised
   qwen3_moe  Qwen3's attention, routed MLPs (`norm_topk_prob` renormalises;
              `mlp_only_layers` leading dense layers)
+  qwen2_moe  Qwen2's attention (`qkv_bias`), Qwen3-MoE's routing, and a shared
+             expert on every token whose output a sigmoid gates per token
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
 than default or llama3, biases elsewhere, Qwen's per-layer sliding window,
@@ -30,8 +32,8 @@ from meshtrain.errors import ConfigError
 CONFIG_FILE = "config.json"
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-ROUTED = ("mixtral", "qwen3_moe")
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM"}
 # No RoPE scaling: the llama3 keys at their defaults.
 LLAMA3_DEFAULTS = {key: get_config().model[key] for key in (
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -42,7 +44,8 @@ _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "dtype",
             "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-            "mlp_only_layers", "decoder_sparse_step")
+            "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
+            "qkv_bias")
 
 
 def read(directory, *, key: str) -> dict:
@@ -84,8 +87,10 @@ def _unsupported(hf: dict) -> list[str]:
   if rope_type not in ("default", "llama3"):
     bad.append(f"rope_type={rope_type!r}")
   dense = hf.get("mlp_only_layers") or []
-  if family == "qwen3_moe" and list(dense) != list(range(len(dense))):
+  if family in ("qwen3_moe", "qwen2_moe") and list(dense) != list(range(len(dense))):
     bad.append(f"mlp_only_layers={dense!r} (only leading dense layers)")
+  if family == "qwen2_moe" and not hf.get("shared_expert_intermediate_size", 1):
+    bad.append("shared_expert_intermediate_size=0 (an empty shared expert)")
   return bad
 
 
@@ -103,7 +108,8 @@ def model_keys(hf: dict) -> dict:
       rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+      qkv_bias=family == "qwen2" or family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
+      qk_norm=family in ("qwen3", "qwen3_moe"),
       sliding_window=int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0,
       **LLAMA3_DEFAULTS, moe={"num_experts": 0})
   if rope.get("rope_type", rope.get("type")) == "llama3":
@@ -115,12 +121,14 @@ def model_keys(hf: dict) -> dict:
     keys["moe"] = dict(num_experts=hf["num_local_experts"],
                        experts_per_token=hf["num_experts_per_tok"],
                        mlp_dim=hf["intermediate_size"], router="softmax", normalize_top_k=True)
-  elif family == "qwen3_moe":
+  elif family in ("qwen3_moe", "qwen2_moe"):
     keys["moe"] = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"],
                        experts_per_token=hf["num_experts_per_tok"],
                        mlp_dim=hf["moe_intermediate_size"], router="softmax",
                        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
                        first_dense_layers=len(hf.get("mlp_only_layers") or []))
+    if family == "qwen2_moe":
+      keys["moe"].update(shared_mlp_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
   return keys
 
 
@@ -129,14 +137,15 @@ def family(model) -> str:
   ConfigError naming what no family has."""
   moe = model.moe
   if moe.num_experts:
-    name = "qwen3_moe" if model.qk_norm else "mixtral"
-    odd = [f"model.moe.{k}={moe[k]!r}" for k, plain in (
-        ("shared_mlp_dim", 0), ("router", "softmax"), ("route_scale", 1.0),
-        ("capacity_factor", 0.0)) if moe[k] != plain]
+    # Qwen2-MoE's is the gated shared expert; Qwen3-MoE's the q/k norms.
+    name = "qwen3_moe" if model.qk_norm else "qwen2_moe" if moe.shared_gate else "mixtral"
+    plain = {"router": "softmax", "route_scale": 1.0, "capacity_factor": 0.0,
+             **({} if name == "qwen2_moe" else {"shared_mlp_dim": 0})}
+    odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
     if name == "mixtral" and (moe.first_dense_layers or not moe.normalize_top_k):
       odd.append("leading dense layers or unnormalised weights (Qwen3-MoE's, with qk_norm)")
-    if model.qkv_bias:
-      odd.append("model.qkv_bias=True")
+    if model.qkv_bias and name != "qwen2_moe":
+      odd.append("model.qkv_bias=True (Qwen2-MoE's, with model.moe.shared_gate)")
   else:
     name = ("qwen2" if model.qkv_bias else "qwen3" if model.qk_norm
             else "mistral" if model.sliding_window else "llama")
@@ -171,11 +180,13 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
   if name == "mixtral":
     hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
               intermediate_size=moe.mlp_dim or model.mlp_dim)
-  elif name == "qwen3_moe":
+  elif name in ("qwen3_moe", "qwen2_moe"):
     hf.update(num_experts=moe.num_experts, num_experts_per_tok=moe.experts_per_token,
               moe_intermediate_size=moe.mlp_dim or model.mlp_dim,
               norm_topk_prob=moe.normalize_top_k, decoder_sparse_step=1,
               mlp_only_layers=list(range(moe.first_dense_layers)))
+    if name == "qwen2_moe":
+      hf.update(shared_expert_intermediate_size=moe.shared_mlp_dim, qkv_bias=model.qkv_bias)
   if model.rope_scaling_factor != 1:
     hf["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
                           "low_freq_factor": model.rope_low_freq_factor,

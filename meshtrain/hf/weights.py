@@ -11,8 +11,9 @@ rotate-half RoPE, so no head permutation is needed.
 
 Expert weights come in two layouts on disk. One tensor per expert
 (`block_sparse_moe.experts.N.w1` for Mixtral, `mlp.experts.N.gate_proj` for
-Qwen3-MoE) is what the published checkpoints hold and what transformers'
-`save_pretrained` writes (v4 and v5 alike); meshtrain reads and writes it.
+Qwen3-MoE and Qwen2-MoE) is what the published checkpoints hold and what
+transformers' `save_pretrained` writes (v4 and v5 alike); meshtrain reads and
+writes it.
 transformers v5 keeps the experts fused in memory (`mlp.experts.gate_up_proj`
 [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); checkpoints saved in that
 layout are read too (`FusedExperts`).
@@ -127,12 +128,21 @@ _ATTENTION = {
     "mlp/w_down_FxD": Weight("mlp.down_proj.weight", True, 1),
 }
 # Per family: the router, then the experts' gate, up and down projections.
+_QWEN_EXPERTS = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
+                 "mlp.experts.{expert}.up_proj.weight", "mlp.experts.{expert}.down_proj.weight")
 _EXPERTS = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.w1.weight",
                 "block_sparse_moe.experts.{expert}.w3.weight",
                 "block_sparse_moe.experts.{expert}.w2.weight"),
-    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
-                  "mlp.experts.{expert}.up_proj.weight", "mlp.experts.{expert}.down_proj.weight"),
+    "qwen3_moe": _QWEN_EXPERTS,
+    "qwen2_moe": _QWEN_EXPERTS,
+}
+# Qwen2-MoE's shared expert, and the gate of its output.
+_SHARED_EXPERT = {
+    "mlp/shared/w_gate_DxF": Weight("mlp.shared_expert.gate_proj.weight", True, 1),
+    "mlp/shared/w_up_DxF": Weight("mlp.shared_expert.up_proj.weight", True, 1),
+    "mlp/shared/w_down_FxD": Weight("mlp.shared_expert.down_proj.weight", True, 1),
+    "mlp/shared_gate_Dx1": Weight("mlp.shared_expert_gate.weight", True, 1),
 }
 FUSED_ROUTER, FUSED_GATE_UP, FUSED_DOWN = ("mlp.gate.weight", "mlp.experts.gate_up_proj",
                                            "mlp.experts.down_proj")
@@ -148,7 +158,9 @@ def hf_weights(family: str, first_dense_layers: int = 0,
   weights = {"embed/embedding_VxD": Weight("model.embed_tokens.weight", False, 1),
              "head/final_norm/scale": Weight("model.norm.weight", False, 1),
              "head/head_DxV": Weight("lm_head.weight", True, 1)}
-  layer = {key: dataclasses.replace(w, hf_name=_LAYER + w.hf_name) for key, w in _ATTENTION.items()}
+  shared = _SHARED_EXPERT if family == "qwen2_moe" else {}
+  layer = {key: dataclasses.replace(w, hf_name=_LAYER + w.hf_name)
+           for key, w in {**_ATTENTION, **shared}.items()}
   if family in _EXPERTS:
     router, gate, up, down = _EXPERTS[family]
     experts = {"mlp/w_gate_ExDxF": Weight(_LAYER + gate, True, 1),

@@ -1,6 +1,7 @@
 """The Mixture-of-Experts MLP: a router in float32 choosing k of E SwiGLU
-experts for each token, an optional dense shared expert beside them, and the
-balancing of the experts' load.
+experts for each token, an optional dense shared expert beside them (its
+output gated per token by sigmoid(x . w) where `shared_gate`, as Qwen2-MoE's),
+and the balancing of the experts' load.
 
 Routing: scores are the softmax (Mixtral, Qwen) or the sigmoid (DeepSeek-V3)
 of the router's logits. The k experts are those with the highest score plus a
@@ -40,7 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
-from meshtrain.models.layers import MLP, MLP_OUT, param
+from meshtrain.models.layers import MLP, MLP_OUT, param, weight_matmul
 from meshtrain.parallel import experts as experts_kernels, sequence
 
 ROUTERS = ("softmax", "sigmoid")
@@ -53,6 +54,7 @@ class MoEConfig:
   experts_per_token: int = 2
   mlp_dim: int = 0  # each expert's hidden width; 0: the model's mlp_dim
   shared_mlp_dim: int = 0
+  shared_gate: bool = False
   first_dense_layers: int = 0
   router: str = "softmax"
   normalize_top_k: bool = True
@@ -209,6 +211,8 @@ class MoE(nnx.Module):
     self.bias_E = nnx.BatchStat(jnp.zeros((e,), jnp.float32), sharding_names=(None,),
                                 eager_sharding=False)
     self.shared = MLP(d, cfg.shared_mlp_dim, rngs) if cfg.shared_mlp_dim else None
+    # Qwen2-MoE's shared_expert_gate: a token's shared output times sigmoid(x . w).
+    self.shared_gate_Dx1 = param(rngs, (d, 1), (r.EMBED, None), d) if cfg.shared_gate else None
 
   def forward(self, x_BxLxD: jax.Array) -> tuple[jax.Array, Stats]:
     routing, stats = route(x_BxLxD, self.router_DxE[...], self.bias_E[...], self.cfg,
@@ -217,7 +221,11 @@ class MoE(nnx.Module):
                            self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...],
                            gemm=self.cfg.grouped_gemm)
     if self.shared is not None:
-      y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
+      shared_BxLxD = self.shared(x_BxLxD)
+      if self.shared_gate_Dx1 is not None:
+        gate_BxLx1 = weight_matmul("bld,do->blo", x_BxLxD, self.shared_gate_Dx1[...])
+        shared_BxLxD = shared_BxLxD * jax.nn.sigmoid(gate_BxLx1)
+      y_BxLxD = y_BxLxD + shared_BxLxD
     y_BxLxD = r.constrain(y_BxLxD, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
     return checkpoint_name(y_BxLxD, MLP_OUT), stats
 
