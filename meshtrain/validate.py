@@ -94,6 +94,8 @@ RULES: dict[str, Rule] = {
         "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
         "bias_update_rate", "capacity_factor")},
     "model.moe.experts_per_token": at_least(1),
+    "model.moe.expert_groups": at_least(1),
+    "model.moe.groups_per_token": at_least(0),
     "model.moe.router": one_of(moe.ROUTERS),
     "model.moe.route_scale": above(0),
     "attention.sequence_strategy": one_of(sequence.STRATEGIES),
@@ -168,6 +170,15 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
                                         if name != "num_experts")]},
+    "model.moe.expert_groups": (lambda c, sizes: not (c.model.moe.num_experts
+                                                      and c.model.moe.groups_per_token),
+                                "a token chooses among every group's experts unless "
+                                "model.moe.groups_per_token > 0 (in a model with experts); "
+                                "set config.model.moe.groups_per_token"),
+    "model.moe.groups_per_token": (lambda c, sizes: not c.model.moe.num_experts
+                                   or c.model.moe.expert_groups == 1,
+                                   "model.moe.expert_groups is 1, so there are no groups to "
+                                   "choose from; set config.model.moe.expert_groups > 1"),
     "model.moe.shared_gate": (lambda c, sizes: not (c.model.moe.num_experts
                                                     and c.model.moe.shared_mlp_dim),
                               "the model has no shared expert to gate; set "

@@ -162,7 +162,7 @@ MADE_HERE = {  # meshtrain options -> the family they export as
 }
 
 
-@pytest.mark.parametrize("family", MADE_HERE)
+@pytest.mark.parametrize("family", tiered(list(MADE_HERE), ("qwen2_moe",)))
 def test_an_moe_model_made_here_exports_as_its_family_with_its_logits(tmp_path, family):
   """No imported config to copy: `to_hf` writes the family's keys itself,
   and transformers, loading what was written, computes meshtrain's logits."""

@@ -29,6 +29,7 @@ from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.config import load
 from meshtrain.mesh import make_mesh
 from meshtrain.models.layers import MLP
+from meshtrain.models import moe as moe_lib
 from meshtrain.models.moe import MoE, MoEConfig, top_k_indices, update_bias
 from meshtrain.parallel import experts, hopper_gemm
 from meshtrain.train.parallelize import from_stage_slots
@@ -70,6 +71,14 @@ def plain_moe(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, cfg: 
   logits = jnp.einsum("bld,de->ble", x_BxLxD, router_DxE)
   scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
   selection = jax.lax.stop_gradient(scores) + (0 if bias_E is None else bias_E)
+  if cfg.groups_per_token:  # only the experts of the best groups by their two highest
+    grouped = selection.reshape(*selection.shape[:-1], cfg.expert_groups, -1)
+    group_score = -jnp.sort(-grouped, axis=-1)[..., :2].sum(-1)
+    worst_groups = jnp.argsort(-group_score, axis=-1)[..., cfg.groups_per_token:]
+    for g in range(cfg.expert_groups):
+      dropped_group = jnp.any(worst_groups == g, axis=-1, keepdims=True)
+      grouped = grouped.at[..., g, :].set(jnp.where(dropped_group, -jnp.inf, grouped[..., g, :]))
+    selection = grouped.reshape(selection.shape)
   chosen = jnp.argsort(-selection, axis=-1)[..., :k]
   weights = jnp.take_along_axis(scores, chosen, axis=-1)
   if cfg.normalize_top_k:
@@ -142,6 +151,9 @@ CONFIGS = {
                                             route_scale=2.5),
     "softmax top-2 unnormalised, no aux": MoEConfig(num_experts=4, experts_per_token=2,
                                                    normalize_top_k=False, aux_loss_coef=0.0),
+    "sigmoid top-3 of 16 in the best 2 of 4 groups": MoEConfig(
+        num_experts=16, experts_per_token=3, router="sigmoid", expert_groups=4,
+        groups_per_token=2),
 }
 
 
@@ -159,6 +171,27 @@ def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name, gemm)
   assert_close(grads, ref_grads)
   _, ref_aux = plain_moe(x, *weights_of(moe), cfg)
   np.testing.assert_allclose(float(stats.aux_loss), float(ref_aux), rtol=1e-6)
+
+
+@pytest.mark.parametrize("router", moe_lib.ROUTERS)
+def test_the_switch_loss_moves_the_router_as_its_reference_does(router):
+  """What the switch loss adds to the router's gradient, alone: layer and
+  plain loop with the coefficient at 1 minus the same at 0. A sigmoid
+  router's weights come from its scores, not the loss's probabilities, and
+  once the loss's gradient was injected where nothing read it: the layer's
+  difference was 0, the reference's 5e-3 (of gradients near 3)."""
+  x, cotangent = inputs()
+  added = []
+  for coef in (0.0, 1.0):
+    cfg = MoEConfig(num_experts=8, experts_per_token=2, router=router, aux_loss_coef=coef)
+    moe = layer(cfg)
+    added.append((layer_value_and_grads(moe, x, cotangent)[2][1],
+                  plain_value_and_grads(moe, x, cotangent, cfg)[1][1]))
+  (got_0, want_0), (got_1, want_1) = added
+  assert float(jnp.abs(want_1 - want_0).max()) > 1e-3
+  # float32 rounding of the gradients themselves, not of their difference
+  np.testing.assert_allclose(got_1 - got_0, want_1 - want_0,
+                             atol=1e-5 * float(jnp.abs(want_1).max()))
 
 
 @pytest.mark.parametrize("sizes", [(1, 1, 1, 61), (5, 5, 5, 49), (0, 0, 0, 64), (16, 16, 16, 16)])
@@ -224,6 +257,40 @@ def test_one_expert_top_one_is_the_dense_mlp():
   dense.w_down_FxD[...] = moe.w_down_ExFxD[0]
   x, _ = inputs()
   np.testing.assert_allclose(moe(x), dense(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_deepseek_v3_layer_computes_transformers_deepseek_v3_moe():
+  """transformers' DeepseekV3MoE (sigmoid scores with a correction bias, the
+  best 2 of 4 groups by their two highest scores, top-3 renormalised and
+  scaled by 2.5, a shared expert) with its weights drawn at random, against
+  meshtrain's layer holding the same weights."""
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+  hf_cfg = deepseek.DeepseekV3Config(hidden_size=D, moe_intermediate_size=F, n_routed_experts=16,
+                                     n_group=4, topk_group=2, num_experts_per_tok=3,
+                                     n_shared_experts=1, routed_scaling_factor=2.5)
+  torch.manual_seed(0)
+  hf = deepseek.DeepseekV3MoE(hf_cfg).eval()
+  with torch.no_grad():
+    for weight in [*hf.parameters(), *hf.buffers()]:
+      weight.copy_(0.3 * torch.randn_like(weight))
+  cfg = MoEConfig(num_experts=16, experts_per_token=3, router="sigmoid", route_scale=2.5,
+                  expert_groups=4, groups_per_token=2, shared_mlp_dim=F)
+  moe = layer(cfg)
+  numpy = lambda t: jnp.asarray(t.detach().numpy())  # noqa: E731
+  gate_up = numpy(hf.experts.gate_up_proj)  # [E, 2F, D]
+  moe.router_DxE[...] = numpy(hf.gate.weight).T
+  moe.bias_E[...] = numpy(hf.gate.e_score_correction_bias)
+  moe.w_gate_ExDxF[...] = gate_up[:, :F].transpose(0, 2, 1)
+  moe.w_up_ExDxF[...] = gate_up[:, F:].transpose(0, 2, 1)
+  moe.w_down_ExFxD[...] = numpy(hf.experts.down_proj).transpose(0, 2, 1)
+  for name in ("gate", "up", "down"):
+    getattr(moe.shared, f"w_{name}_{'FxD' if name == 'down' else 'DxF'}")[...] = numpy(
+        getattr(hf.shared_experts, f"{name}_proj").weight).T
+  x, _ = inputs()
+  with torch.no_grad():
+    expected = hf(torch.as_tensor(np.asarray(x))).numpy()
+  np.testing.assert_allclose(moe(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_gemm_is_hopper_only_where_its_kernels_run():
@@ -364,9 +431,10 @@ COMPOSITIONS = {
        for remat in ("full", "selective")},
     "fsdp=8 ragged_dot grouped GEMM": dict(mesh=dict(data=1, fsdp=8),
                                       model=dict(moe=dict(grouped_gemm="ragged_dot"))),
-    "fsdp=8 shared expert, first layer dense, sigmoid": dict(
+    "fsdp=8 shared expert, first layer dense, sigmoid, best 2 of 4 groups": dict(
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
-                                                       router="sigmoid", route_scale=2.5))),
+                                                       router="sigmoid", route_scale=2.5,
+                                                       expert_groups=4, groups_per_token=2))),
     "fsdp=4 tensor=2 gated shared expert (Qwen2-MoE)": dict(
         mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
         model=dict(moe=dict(shared_mlp_dim=32, shared_gate=True, normalize_top_k=False))),
@@ -376,7 +444,7 @@ COMPOSITIONS = {
 @pytest.mark.parametrize("case", tiered(COMPOSITIONS, ("expert_parallel=data,fsdp",
                                                        "fsdp=8 ragged_dot grouped GEMM",
                                                        "fsdp=8 shared expert, first layer dense, "
-                                                       "sigmoid")))
+                                                       "sigmoid, best 2 of 4 groups")))
 def test_moe_training_matches_unsharded_plain_jit(case):
   cfg = micro_config(**MOE)
   cfg.update(COMPOSITIONS[case])

@@ -6,7 +6,8 @@ and the balancing of the experts' load.
 Routing: scores are the softmax (Mixtral, Qwen) or the sigmoid (DeepSeek-V3)
 of the router's logits. The k experts are those with the highest score plus a
 selection-only bias (DeepSeek-V3's auxiliary-loss-free balancing; zero
-otherwise); the token's weights are their unbiased scores, renormalised to
+otherwise), with `groups_per_token` > 0 among the experts of the token's that
+many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8); the token's weights are their unbiased scores, renormalised to
 sum to 1 where `normalize_top_k`, times `route_scale`. With a
 `capacity_factor` c > 0, an expert takes at most ceil(c x L x k / E) of a
 sequence's assignments, first come (by position, then by rank) first
@@ -55,6 +56,8 @@ class MoEConfig:
   mlp_dim: int = 0  # each expert's hidden width; 0: the model's mlp_dim
   shared_mlp_dim: int = 0
   shared_gate: bool = False
+  expert_groups: int = 1
+  groups_per_token: int = 0  # 0: every group
   first_dense_layers: int = 0
   router: str = "softmax"
   normalize_top_k: bool = True
@@ -99,14 +102,14 @@ def _plain_sum(x: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def with_aux_gradient(probs_BxLxE: jax.Array, grad_BxLxE: jax.Array) -> jax.Array:
-  """`probs` unchanged; in the backward, `grad` is added to its cotangent (the
+def with_aux_gradient(scores_BxLxE: jax.Array, grad_BxLxE: jax.Array) -> jax.Array:
+  """`scores` unchanged; in the backward, `grad` is added to its cotangent (the
   gradient of an auxiliary loss that is not part of the forward's output)."""
-  return probs_BxLxE
+  return scores_BxLxE
 
 
-def _with_aux_fwd(probs_BxLxE, grad_BxLxE):
-  return probs_BxLxE, grad_BxLxE
+def _with_aux_fwd(scores_BxLxE, grad_BxLxE):
+  return scores_BxLxE, grad_BxLxE
 
 
 def _with_aux_bwd(grad_BxLxE, cotangent_BxLxE):
@@ -114,6 +117,11 @@ def _with_aux_bwd(grad_BxLxE, cotangent_BxLxE):
 
 
 with_aux_gradient.defvjp(_with_aux_fwd, _with_aux_bwd)
+
+
+def _normalized(scores_BxLxE: jax.Array) -> jax.Array:
+  """Each token's scores over their sum: the probabilities of the switch loss."""
+  return scores_BxLxE / scores_BxLxE.sum(axis=-1, keepdims=True)
 
 
 def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
@@ -126,6 +134,18 @@ def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
     x_BxLxE = jnp.where(jax.nn.one_hot(chosen[-1], x_BxLxE.shape[-1], dtype=bool), -jnp.inf,
                         x_BxLxE)
   return jnp.stack(chosen, axis=-1)
+
+
+def in_best_groups(choice_BxLxE: jax.Array, groups: int, chosen: int) -> jax.Array:
+  """`choice` with the experts outside each token's `chosen` best of `groups`
+  equal groups set to -inf: DeepSeek-V3's node-limited routing, a group's
+  score the sum of its two highest (one, where a group has one expert)."""
+  *lead, num_experts = choice_BxLxE.shape
+  choice_BxLxGxS = choice_BxLxE.reshape(*lead, groups, num_experts // groups)
+  best_BxLxGxT = top_k_indices(choice_BxLxGxS, min(2, num_experts // groups))
+  score_BxLxG = jnp.take_along_axis(choice_BxLxGxS, best_BxLxGxT, axis=-1).sum(axis=-1)
+  kept_BxLxG = jax.nn.one_hot(top_k_indices(score_BxLxG, chosen), groups, dtype=bool).any(axis=-2)
+  return jnp.where(kept_BxLxG[..., None], choice_BxLxGxS, -jnp.inf).reshape(choice_BxLxE.shape)
 
 
 def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoEConfig,
@@ -145,8 +165,11 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
                             r.constrain(router_DxE.astype(jnp.float32), (None, None)))
   scores_BxLxE = (jax.nn.softmax(logits_BxLxE, axis=-1) if cfg.router == "softmax"
                   else jax.nn.sigmoid(logits_BxLxE))
-  probs_BxLxE = scores_BxLxE / scores_BxLxE.sum(axis=-1, keepdims=True)  # softmax: unchanged
-  expert_BxLxK = top_k_indices(jax.lax.stop_gradient(scores_BxLxE) + bias_E, k)
+  probs_BxLxE = _normalized(scores_BxLxE)  # softmax: unchanged
+  choice_BxLxE = jax.lax.stop_gradient(scores_BxLxE) + bias_E
+  if cfg.groups_per_token:
+    choice_BxLxE = in_best_groups(choice_BxLxE, cfg.expert_groups, cfg.groups_per_token)
+  expert_BxLxK = top_k_indices(choice_BxLxE, k)
   chosen_BxLxE = jax.nn.one_hot(expert_BxLxK, num_experts, dtype=jnp.float32).sum(axis=2)
   tokens = token_sum(jnp.ones(x_BxLxD.shape[:2] + (1,), jnp.float32))[0]
   load_E = token_sum(chosen_BxLxE)
@@ -154,8 +177,11 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   aux_loss = num_experts * jnp.sum(share_E * token_sum(jax.lax.stop_gradient(probs_BxLxE)) / tokens)
   if aux_weight and cfg.aux_loss_coef:  # d(weight x loss)/d(probs) of each token
     grad_E = aux_weight * cfg.aux_loss_coef * num_experts * share_E / tokens
-    probs_BxLxE = with_aux_gradient(probs_BxLxE, jnp.broadcast_to(grad_E, probs_BxLxE.shape))
-  weights_source = probs_BxLxE if cfg.router == "softmax" else scores_BxLxE
+    # ... and through the normalisation to the scores, which the weights come from.
+    _, normalized_vjp = jax.vjp(_normalized, jax.lax.stop_gradient(scores_BxLxE))
+    scores_BxLxE = with_aux_gradient(
+        scores_BxLxE, normalized_vjp(jnp.broadcast_to(grad_E, scores_BxLxE.shape))[0])
+  weights_source = _normalized(scores_BxLxE) if cfg.router == "softmax" else scores_BxLxE
   weight_BxLxK = jnp.take_along_axis(weights_source, expert_BxLxK, axis=-1)
   if cfg.normalize_top_k:
     weight_BxLxK = weight_BxLxK / weight_BxLxK.sum(axis=-1, keepdims=True)

@@ -135,6 +135,16 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   if not 1 <= moe.experts_per_token <= moe.num_experts:
     raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
                       f"and model.moe.num_experts = {moe.num_experts}")
+  if moe.num_experts % moe.expert_groups:
+    raise ConfigError(f"{key}.expert_groups", f"{moe.num_experts} experts do not make "
+                      f"{moe.expert_groups} equal groups; use a divisor of model.moe.num_experts")
+  group = moe.num_experts // moe.expert_groups
+  fewest = -(-moe.experts_per_token // group)  # groups that hold k experts
+  if moe.groups_per_token and not fewest <= moe.groups_per_token <= moe.expert_groups:
+    raise ConfigError(f"{key}.groups_per_token", f"{moe.groups_per_token} must be between "
+                      f"{fewest} (groups of {group} experts holding model.moe.experts_per_token = "
+                      f"{moe.experts_per_token}) and model.moe.expert_groups = "
+                      f"{moe.expert_groups}, or 0 for every group")
   if moe.first_dense_layers >= cfg.model.num_layers:
     raise ConfigError(f"{key}.first_dense_layers", f"{moe.first_dense_layers} leaves no MoE layer "
                       f"of the {cfg.model.num_layers}; use fewer or set model.moe.num_experts=0")
