@@ -435,6 +435,11 @@ COMPOSITIONS = {
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
                                                        router="sigmoid", route_scale=2.5,
                                                        expert_groups=4, groups_per_token=2))),
+    # The switch loss's counts span every device that splits the tokens (fsdp,
+    # and tensor under Megatron-SP), so its gradient is one device's.
+    "tensor=2 fsdp=4 sequence parallel, sigmoid switch loss": dict(
+        mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
+        model=dict(moe=dict(router="sigmoid", aux_loss_coef=1.0))),
     "fsdp=4 tensor=2 gated shared expert (Qwen2-MoE)": dict(
         mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
         model=dict(moe=dict(shared_mlp_dim=32, shared_gate=True, normalize_top_k=False))),
