@@ -180,6 +180,20 @@ def test_an_moe_model_made_here_exports_as_its_family_with_its_logits(tmp_path, 
   assert_logits_close(meshtrain_logits(cfg, params, x, setup), hf_logits(model, x))
 
 
+def test_an_import_fine_tuned_with_routing_no_family_has_is_not_exported(tmp_path):
+  """A Mixtral trained on with DeepSeek-V3's selection bias routes by a bias
+  its config.json has no place for: refused, nothing written."""
+  save_hf_model(tmp_path / "hf", "mixtral")
+  workdir = import_hf(micro_config(), tmp_path / "hf", tmp_path / "imported")
+  cfg = saved_run.load_config(workdir, {"model.moe.bias_update_rate": 1e-3})
+  setup = build(cfg, jax.devices()[:1])
+  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  with pytest.raises(ConfigError, match="model.moe.bias_update_rate=0.001") as error:
+    export_hf(cfg, params, workdir, tmp_path / "exported")
+  assert error.value.key == "config.model"
+  assert not (tmp_path / "exported").exists()
+
+
 def fused(directory, out):
   """The model in transformers v5's in-memory layout: each layer's experts in
   one `mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj`
@@ -254,10 +268,17 @@ def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, fa
   assert not (tmp_path / "imported").exists()
 
 
-def test_a_model_no_family_has_is_not_exported(tmp_path):
-  cfg = micro_config(**{"model.qkv_bias": True, "model.qk_norm": True,
-                        "workdir": str(tmp_path / "run")})
-  with pytest.raises(ConfigError, match="qkv_bias=True with model.qk_norm=True") as error:
+@pytest.mark.parametrize("changes, message", [
+    ({"model.qkv_bias": True, "model.qk_norm": True}, "qkv_bias=True with model.qk_norm=True"),
+    # routing state or choices transformers' Mixtral and Qwen MoE routers lack
+    ({"model.moe.num_experts": 4, "model.moe.bias_update_rate": 1e-3},
+     "model.moe.bias_update_rate=0.001"),
+    ({"model.moe.num_experts": 4, "model.moe.expert_groups": 2, "model.moe.groups_per_token": 1},
+     "model.moe.groups_per_token=1"),
+    ({"model.moe.num_experts": 4, "model.moe.shared_mlp_dim": 8}, "model.moe.shared_mlp_dim=8")])
+def test_a_model_no_family_has_is_not_exported(changes, message):
+  cfg = micro_config(**changes)
+  with pytest.raises(ConfigError, match=message) as error:
     hf_config.family(cfg.model)
   assert error.value.key == "config.model"
 

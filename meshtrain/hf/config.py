@@ -139,7 +139,10 @@ def family(model) -> str:
   if moe.num_experts:
     # Qwen2-MoE's is the gated shared expert; Qwen3-MoE's the q/k norms.
     name = "qwen3_moe" if model.qk_norm else "qwen2_moe" if moe.shared_gate else "mixtral"
+    # What no family's router has: DeepSeek-V3's selection bias (trained by
+    # bias_update_rate, model state the export would drop) and expert groups.
     plain = {"router": "softmax", "route_scale": 1.0, "capacity_factor": 0.0,
+             "bias_update_rate": 0.0, "groups_per_token": 0,
              **({} if name == "qwen2_moe" else {"shared_mlp_dim": 0})}
     odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
     if name == "mixtral" and (moe.first_dense_layers or not moe.normalize_top_k):

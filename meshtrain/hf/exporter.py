@@ -1,7 +1,9 @@
 """`meshtrain export-hf`: a run's weights as a Hugging Face model directory.
 
 The family is the imported model's (`model_type` of its config), else the one
-whose options the model uses (`meshtrain.hf.config.family`); experts are
+whose options the model uses (`meshtrain.hf.config.family`); a model with
+options no family has (a fine-tuned import's too, such as DeepSeek-V3's
+selection bias) is refused before anything is written. Experts are
 written one tensor per expert, the layout `save_pretrained` writes and every
 transformers version loads. Writes `config.json`, the weights as safetensors (one `model.safetensors`, or
 shards of at most `max_shard_bytes` with `model.safetensors.index.json`, as
@@ -100,7 +102,9 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
   if dtype not in DTYPES:
     raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
   tokenizer = tokenizers.for_config(cfg)  # an unreadable one fails here, before anything is written
-  family = (source or {}).get("model_type") or hf_config.family(cfg.model)  # or refused here
+  # Refused here: what no family writes (a fine-tuned import's settings too).
+  own_family = hf_config.family(cfg.model)
+  family = (source or {}).get("model_type") or own_family
   weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
                        else 0)
   counts = _shard_sizes(params, weights, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
