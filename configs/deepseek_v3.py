@@ -1,8 +1,9 @@
 """DeepSeek-V3 shape (671B parameters, 37B active as published; here grouped-query
 attention of the same width replaces Multi-head Latent Attention, so the counts
 differ a little): 256 routed experts and 1 shared, top-8 by sigmoid scores
-from the token's best 4 of 8 groups of experts, the first 3 layers dense, auxiliary-loss-free balancing (a selection bias moved
-by 1e-3 a step) with a small switch loss; planning (`meshtrain plan --search`)."""
+from the token's best 4 of 8 groups of experts, the first 3 layers dense,
+auxiliary-loss-free balancing (a selection bias moved by 1e-3 a step) with a
+small switch loss; planning (`meshtrain plan --search`)."""
 
 from meshtrain.config import get_config as base_config
 

@@ -7,11 +7,11 @@ Routing: scores are the softmax (Mixtral, Qwen) or the sigmoid (DeepSeek-V3)
 of the router's logits. The k experts are those with the highest score plus a
 selection-only bias (DeepSeek-V3's auxiliary-loss-free balancing; zero
 otherwise), with `groups_per_token` > 0 among the experts of the token's that
-many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8); the token's weights are their unbiased scores, renormalised to
-sum to 1 where `normalize_top_k`, times `route_scale`. With a
-`capacity_factor` c > 0, an expert takes at most ceil(c x L x k / E) of a
-sequence's assignments, first come (by position, then by rank) first
-served; the rest are dropped (weight 0). How the kept assignments reach their
+many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8);
+the token's weights are their unbiased scores, renormalised to sum to 1 where
+`normalize_top_k`, times `route_scale`. With a `capacity_factor` c > 0, an
+expert takes at most ceil(c x L x k / E) of a sequence's assignments, first
+come (by position, then by rank) first served; the rest are dropped (weight 0). How the kept assignments reach their
 experts, on this device or across the expert-parallel axes, is the model's
 `experts` slot (`meshtrain.parallel.experts`).
 
