@@ -177,10 +177,12 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   aux_loss = num_experts * jnp.sum(share_E * token_sum(jax.lax.stop_gradient(probs_BxLxE)) / tokens)
   if aux_weight and cfg.aux_loss_coef:  # d(weight x loss)/d(probs) of each token
     grad_E = aux_weight * cfg.aux_loss_coef * num_experts * share_E / tokens
-    # ... and through the normalisation to the scores, which the weights come from.
-    _, normalized_vjp = jax.vjp(_normalized, jax.lax.stop_gradient(scores_BxLxE))
-    scores_BxLxE = with_aux_gradient(
-        scores_BxLxE, normalized_vjp(jnp.broadcast_to(grad_E, scores_BxLxE.shape))[0])
+    # ... and through probs = scores / sum(scores) to the scores, which the
+    # weights come from: (g - sum_e g_e probs_e) / sum(scores).
+    probs_BxLxE = jax.lax.stop_gradient(probs_BxLxE)
+    grad_BxLxE = (grad_E - jnp.sum(grad_E * probs_BxLxE, axis=-1, keepdims=True)) / (
+        jax.lax.stop_gradient(scores_BxLxE).sum(axis=-1, keepdims=True))
+    scores_BxLxE = with_aux_gradient(scores_BxLxE, grad_BxLxE)
   weights_source = _normalized(scores_BxLxE) if cfg.router == "softmax" else scores_BxLxE
   weight_BxLxK = jnp.take_along_axis(weights_source, expert_BxLxK, axis=-1)
   if cfg.normalize_top_k:
