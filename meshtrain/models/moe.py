@@ -165,8 +165,11 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
                             r.constrain(router_DxE.astype(jnp.float32), (None, None)))
   scores_BxLxE = (jax.nn.softmax(logits_BxLxE, axis=-1) if cfg.router == "softmax"
                   else jax.nn.sigmoid(logits_BxLxE))
-  probs_BxLxE = _normalized(scores_BxLxE)  # softmax: unchanged
-  choice_BxLxE = jax.lax.stop_gradient(scores_BxLxE) + bias_E
+  # The choice and the switch loss read the scores without gradient: the
+  # loss reaches the router through `with_aux_gradient` below.
+  fixed_scores_BxLxE = jax.lax.stop_gradient(scores_BxLxE)
+  probs_BxLxE = _normalized(fixed_scores_BxLxE)  # softmax: unchanged
+  choice_BxLxE = fixed_scores_BxLxE + bias_E
   if cfg.groups_per_token:
     choice_BxLxE = in_best_groups(choice_BxLxE, cfg.expert_groups, cfg.groups_per_token)
   expert_BxLxK = top_k_indices(choice_BxLxE, k)
@@ -174,14 +177,13 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   tokens = token_sum(jnp.ones(x_BxLxD.shape[:2] + (1,), jnp.float32))[0]
   load_E = token_sum(chosen_BxLxE)
   share_E = load_E / (k * tokens)
-  aux_loss = num_experts * jnp.sum(share_E * token_sum(jax.lax.stop_gradient(probs_BxLxE)) / tokens)
+  aux_loss = num_experts * jnp.sum(share_E * token_sum(probs_BxLxE) / tokens)
   if aux_weight and cfg.aux_loss_coef:  # d(weight x loss)/d(probs) of each token
     grad_E = aux_weight * cfg.aux_loss_coef * num_experts * share_E / tokens
     # ... and through probs = scores / sum(scores) to the scores, which the
     # weights come from: (g - sum_e g_e probs_e) / sum(scores).
-    probs_BxLxE = jax.lax.stop_gradient(probs_BxLxE)
     grad_BxLxE = (grad_E - jnp.sum(grad_E * probs_BxLxE, axis=-1, keepdims=True)) / (
-        jax.lax.stop_gradient(scores_BxLxE).sum(axis=-1, keepdims=True))
+        fixed_scores_BxLxE.sum(axis=-1, keepdims=True))
     scores_BxLxE = with_aux_gradient(scores_BxLxE, grad_BxLxE)
   weights_source = _normalized(scores_BxLxE) if cfg.router == "softmax" else scores_BxLxE
   weight_BxLxK = jnp.take_along_axis(weights_source, expert_BxLxK, axis=-1)
