@@ -12,7 +12,7 @@ import re
 import jax
 import pytest
 
-from conftest import micro_config, tiered
+from conftest import micro_config, step_collectives, tiered
 from meshtrain.analysis import hlo, trace
 from meshtrain.analysis.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
                                      stacked_slots, stage_layers)
@@ -36,13 +36,12 @@ STRATEGIES = {
 
 
 def by_axis(collectives) -> collections.Counter:
-  """Bytes over each of the axes activations move on. Weight gradients are
-  summed over the batch axes (checked in test_zero.py); under `sequence` the
-  CPU compile sums them over `sequence`, then `data`: left out."""
+  """Bytes over each of the axes activations move on (and the gradient sums
+  over the length axes: `test_gradients_are_summed_over_the_length_axes_first`).
+  The sums over the batch axes are checked in test_zero.py."""
   totals = collections.Counter()
   for c in collectives:
-    if c["axis"] in ("tensor", "sequence", "pipeline") and (
-        (c["kind"], c["axis"]) != ("all-reduce", "sequence")):
+    if c["axis"] in ("tensor", "sequence", "pipeline"):
       totals[c["axis"]] += c["bytes"]
   return totals
 
@@ -70,6 +69,29 @@ def test_activation_traffic_matches_the_analytic_model(strategy):
   assert set(measured) == set(predicted) != set()
   for axis in measured:
     assert measured[axis] == pytest.approx(predicted[axis], rel=0.10), axis
+
+
+@pytest.mark.parametrize("strategy, length_axis",
+                         [pytest.param("tp+sp", "tensor", id="tp+sp"),
+                          pytest.param("cp ring", "sequence", id="cp ring",
+                                       marks=pytest.mark.slow)])
+def test_gradients_are_summed_over_the_length_axes_first(strategy, length_axis):
+  """A weight the length axis does not split (norm scales; under `sequence`
+  every weight) has a gradient partial over the tokens of the length axis and
+  of `data`. XLA completes the length axis's sum inside the layer that makes
+  it and `data`'s with the other gradients: two all-reduces, as plan counts
+  them, not one over both axes (it counted 1,120 bytes over `data+tensor`
+  that no op moves)."""
+  cfg = micro_config(**{"model.num_kv_heads": 4, "model.vocab_size": 512})
+  cfg.update(STRATEGIES[strategy])
+  setup = build(cfg)
+  measured = step_collectives(compile_step(setup), setup.mesh)
+  planned = {c["axis"]: c["bytes"] for c in analytic(cfg, setup.spec, setup.rules, setup.mesh)[
+      "collectives"] if c["kind"] == "all-reduce"}
+  assert set(planned) == {"data", length_axis}
+  assert {axis for kind, axis in measured if kind == "all-reduce"} == set(planned)
+  for axis, planned_bytes in planned.items():  # + the metrics' scalars
+    assert planned_bytes <= measured["all-reduce", axis]["bytes"] <= 1.07 * planned_bytes, axis
 
 
 @pytest.mark.parametrize("microbatches", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -132,7 +132,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   batch_axes = {a for a in BATCH_AXES if sizes[a] > 1}
   # Gradients are summed over every axis that splits the tokens (with sequence
   # parallelism `tensor` too, for the weights it does not split: norm scales).
-  token_axes = batch_axes | _length_axes(rules, mesh)
+  length_axes = _length_axes(rules, mesh)
+  token_axes = batch_axes | length_axes
   per_replica = accum > 1 and "data" in batch_axes
   pipelined = sizes["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
@@ -183,12 +184,15 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     reduced = ((grad_bytes if per_replica else param_bytes) * grads
                * (_prod(rest & o_axes, mesh) if accum == 1 else 1))
     comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
-    comm.add("all-reduce", rest - o_axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
+    # The sums over the length axes complete inside the layer that makes them,
+    # apart from those over the batch axes (XLA's partitioner, not one union).
+    for axes in (rest - o_axes) & length_axes, rest - o_axes - length_axes:
+      comm.add("all-reduce", axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
 
   if activations is None:
     memory["activations"] = activation_bytes(cfg, mesh, rules)
     memory["backward"] = backward_bytes(cfg, mesh, rules)
-  _activation_traffic(cfg, mesh, comm, _length_axes(rules, mesh))
+  _activation_traffic(cfg, mesh, comm, length_axes)
   collectives = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
     local = local_sgd.plan(cfg, spec, rules, mesh)
