@@ -2,7 +2,7 @@
 
 The public API (stable names):
 
-  make_mesh({"fsdp": 4, "tensor": 2})        the 5-axis mesh (missing axes are 1, one may be -1)
+  make_mesh({"fsdp": 4, "tensor": 2})        the 5-axis mesh (missing axes 1; data or fsdp -1 fills)
   strategy_rules(mesh, zero_stage)           the rules tables of the axes larger than one
   with_names(rules, {"kv": "heads"})         the same tables with a model's own logical names
   logical_to_spec(names, table)              logical names -> PartitionSpec

@@ -17,11 +17,15 @@ from jax.sharding import AxisType, Mesh
 from meshtrain.errors import ConfigError
 
 AXES = ("data", "pipeline", "fsdp", "sequence", "tensor")
+FILLING_AXES = ("data", "fsdp")  # the axes -1 may size
 
 
 def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """Resolves the sizes in `config.mesh` (one may be -1, a missing axis is 1)
-  against the device count."""
+  """Resolves the sizes in `config.mesh` against the device count: a missing
+  axis is 1, and one batch axis (`data` or `fsdp`) may be -1, filling the
+  devices the others leave. The other axes shape the model's layout (the
+  pipeline's stages, the tensor and sequence splits, which a checkpoint's
+  saved layout and the head counts depend on), so they take their sizes."""
   sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in AXES}
   fill = [axis for axis, size in sizes.items() if size == -1]
   bad = [axis for axis, size in sizes.items() if size == 0 or size < -1]
@@ -30,6 +34,10 @@ def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
   if len(fill) > 1:
     raise ConfigError(
         f"config.mesh.{fill[1]}", f"only one axis may be -1, got {', '.join(fill)}")
+  if fill and fill[0] not in FILLING_AXES:
+    raise ConfigError(f"config.mesh.{fill[0]}", "is -1, but only a batch axis (data or fsdp) "
+                      f"fills the remaining devices; give {fill[0]} its size (e.g. 2), and "
+                      "data or fsdp -1 to fill the rest")
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if fill:
     if num_devices % fixed:

@@ -149,6 +149,7 @@ CASES = [
      "config.data.path"),
     ("train", ["--config.mesh.data=3"], "config.mesh"),
     ("train", ["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "config.mesh.fsdp"),
+    ("train", ["--config.mesh.data=2", "--config.mesh.pipeline=-1"], "config.mesh.pipeline"),
     ("train", ["--config.mesh.tensor=3"], "config.mesh.data"),
     ("train", ["--config.mesh.data=0"], "config.mesh.data"),
     ("train", ["--config.mesh.data=8", "--config.global_batch=12"], "config.global_batch"),

@@ -20,6 +20,8 @@ def test_minus_one_fills_the_remaining_devices():
     (sizes(data=-1, tensor=3), "config.mesh.data", "does not divide 8"),
     (sizes(data=-1, fsdp=-1), "config.mesh.fsdp", "only one axis may be -1"),
     (sizes(tensor=0), "config.mesh.tensor", "positive size"),
+    *((sizes(data=2, **{axis: -1}), f"config.mesh.{axis}", "only a batch axis")
+      for axis in ("pipeline", "sequence", "tensor")),
 ])
 def test_impossible_meshes_name_the_key(mesh, key, words):
   with pytest.raises(ConfigError, match=words) as error:
