@@ -12,6 +12,7 @@ under `fsdp` a weight's `embed` dimension is sharded, an activation's
 
 from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
+import functools
 import math
 
 import flax.core.spmd
@@ -202,6 +203,37 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if not rules or jax.sharding.get_abstract_mesh().empty:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+def gathered(w: jax.Array, compute_names: Sequence[str | None],
+             names: Sequence[str | None]) -> jax.Array:
+  """`constrain(w, compute_names)`, whose gradient comes back constrained to
+  `names`, the weight's own layout, rather than to `compute_names` (jax's
+  transpose of a constraint). Inside a `shard_map` (a pipeline's stage) it
+  is `constrain`: resharding the gradient there, XLA's partitioner failed a
+  check (jax 0.10.2: `ExpandDeviceGroupsWithIota`, pipeline=2 x fsdp=2 x
+  tensor=2 under ZeRO-3)."""
+  rules = flax.core.spmd.get_logical_axis_rules()
+  mesh = jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty or mesh.manual_axes:
+    return constrain(w, compute_names)
+  return _constrained(w, logical_to_spec(compute_names, rules), logical_to_spec(names, rules))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _constrained(w: jax.Array, spec: PartitionSpec, grad_spec: PartitionSpec) -> jax.Array:
+  return jax.lax.with_sharding_constraint(w, spec)
+
+
+def _constrained_fwd(w, spec, grad_spec):
+  return _constrained(w, spec, grad_spec), None
+
+
+def _constrained_bwd(spec, grad_spec, _, g):
+  return (jax.lax.with_sharding_constraint(g, grad_spec),)
+
+
+_constrained.defvjp(_constrained_fwd, _constrained_bwd)
 
 
 def shards(name: str, size: int) -> int:

@@ -94,6 +94,28 @@ def test_gradients_are_summed_over_the_length_axes_first(strategy, length_axis):
     assert planned_bytes <= measured["all-reduce", axis]["bytes"] <= 1.07 * planned_bytes, axis
 
 
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8), pytest.param(
+    dict(data=1, fsdp=4, sequence=2), marks=pytest.mark.slow)], ids=["fsdp=8", "fsdp=4 x sequence=2"])
+def test_a_tied_tables_gradient_is_reduce_scattered_once(mesh):
+  """The table tied to the head gets two gradients, the lookup's and the
+  head's: summed into the table's own layout they are reduce-scattered once
+  over `fsdp`, as plan counts them. Left in the compute layout, XLA
+  all-reduced each whole over `fsdp` (230,713 bytes where plan counts
+  1,120, and 71,680 of the 129,024 reduce-scattered on fsdp=8). The lookup's
+  rows may move by an all-to-all, a token's width each, which plan leaves out."""
+  cfg = micro_config(**{"model.num_kv_heads": 4, "model.vocab_size": 512,
+                        "model.tie_embeddings": True, **{f"mesh.{a}": n for a, n in mesh.items()}})
+  setup = build(cfg)
+  measured = step_collectives(compile_step(setup), setup.mesh)
+  planned = {(c["kind"], c["axis"]): c["bytes"]
+             for c in analytic(cfg, setup.spec, setup.rules, setup.mesh)["collectives"]}
+  assert measured["reduce-scatter", "fsdp"]["bytes"] == planned["reduce-scatter", "fsdp"]
+  # + the metrics' scalars
+  assert measured["all-reduce", "fsdp"]["bytes"] <= 1.25 * planned["all-reduce", "fsdp"]
+  tokens = cfg.global_batch * cfg.seq_len // mesh["fsdp"]  # a device's, over its whole length
+  assert measured["all-to-all", "fsdp"]["bytes"] <= 4 * tokens * cfg.model.embed_dim
+
+
 @pytest.mark.parametrize("microbatches", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp_inside_a_pipeline_moves_its_weights_every_microbatch(microbatches):
   """Inside the pipeline `fsdp` stays automatic and the layers run tick by

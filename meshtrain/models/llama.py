@@ -241,14 +241,22 @@ class Embed(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.dtype = jnp.dtype(cfg.compute_dtype)
+    self.tied = cfg.tie_embeddings
     self.embedding_VxD = param(rngs, (cfg.vocab_size, cfg.embed_dim), (r.VOCAB, r.EMBED),
                                cfg.embed_dim)
 
   def table(self) -> jax.Array:
     """The table in its compute layout (`embed` whole, like every weight in a
     matmul): a lookup in a table split along `embed` makes GSPMD reshuffle the
-    looked-up rows through a full replication instead."""
-    return r.constrain(self.embedding_VxD[...], (r.VOCAB, r.ACT_EMBED))
+    looked-up rows through a full replication instead. Tied to the head, its
+    gradient is pinned back to the table's own layout (`rules.gathered`):
+    left in this one, XLA all-reduced the lookup's and the head's gradients
+    whole, each, over the axes that split the table, where one reduce-scatter
+    of their sum does (tests/test_plan.py)."""
+    w_VxD = self.embedding_VxD[...]
+    if self.tied:
+      return r.gathered(w_VxD, (r.VOCAB, r.ACT_EMBED), (r.VOCAB, r.EMBED))
+    return r.constrain(w_VxD, (r.VOCAB, r.ACT_EMBED))
 
   def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
     """The rows of `tokens_BxL`, looked up along the whole of each device's
