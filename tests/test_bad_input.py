@@ -150,6 +150,7 @@ CASES = [
     ("train", ["--config.mesh.data=3"], "config.mesh"),
     ("train", ["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "config.mesh.fsdp"),
     ("train", ["--config.mesh.data=2", "--config.mesh.pipeline=-1"], "config.mesh.pipeline"),
+    ("train", ["--config.model.mlp_dim=100000000"], "config.mesh"),  # 2 TiB of state a device
     ("train", ["--config.mesh.tensor=3"], "config.mesh.data"),
     ("train", ["--config.mesh.data=0"], "config.mesh.data"),
     ("train", ["--config.mesh.data=8", "--config.global_batch=12"], "config.global_batch"),

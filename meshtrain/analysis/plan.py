@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
 from meshtrain.analysis import costs, hlo, residuals
+from meshtrain.errors import ConfigError
 from meshtrain.models import flops
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.parallel import experts, sequence
@@ -575,6 +577,34 @@ def measured(setup) -> dict:
   return {"memory_bytes": {"arguments": memory["arguments"], "temp": memory["temp"],
                            "total": memory["total"]},
           "collectives": [dataclasses.asdict(c) for c in hlo.collectives(compiled, setup.mesh)]}
+
+
+def device_memory(device) -> int | None:
+  """Bytes one device can hold: its allocator's limit (GPU, TPU); on CPU the
+  host's memory over its local devices; None where neither is known."""
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"]
+  if device.platform == "cpu":
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+  return None
+
+
+def check_fits(setup) -> None:
+  """Refuses, before anything is allocated, a run whose train state alone
+  (weights, gradients and optimizer state as `analytic` counts them, no
+  activations) outgrows a device's memory: where it would die allocating,
+  on CPU killed by the host without a word."""
+  state = analytic(setup.cfg, setup.spec, setup.rules, setup.mesh,
+                   activations=0)["memory_bytes"]["total"]
+  limit = device_memory(jax.local_devices()[0])
+  if limit and state > limit:
+    raise ConfigError("config.mesh", f"the train state alone (weights, gradients, optimizer "
+                      f"state) needs {state / 2**30:.1f} GiB a device, more than the "
+                      f"{limit / 2**30:.1f} GiB one has; split it over more devices "
+                      "(config.mesh.fsdp, config.zero_stage), move the optimizer to the host "
+                      "(config.offload.optimizer) or train a smaller model (`meshtrain plan` "
+                      "shows where the bytes go)")
 
 
 def plan(cfg, num_devices: int, compile_step: bool) -> dict:

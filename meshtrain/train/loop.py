@@ -14,6 +14,7 @@ import jax
 from tqdm import tqdm
 
 from meshtrain import distributed, rules as r
+from meshtrain.analysis.plan import check_fits
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
@@ -119,6 +120,7 @@ def train(cfg) -> list[dict]:
 def _train(cfg, watchdog) -> list[dict]:
   cfg = padded_vocab(cfg)
   setup = build(cfg)
+  check_fits(setup)
   evaluator = evaluator_for(cfg, setup)
   sharding = setup.train_step.batch_sharding
   batch_shape = (cfg.global_batch, cfg.seq_len)
