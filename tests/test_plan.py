@@ -94,8 +94,10 @@ def test_gradients_are_summed_over_the_length_axes_first(strategy, length_axis):
     assert planned_bytes <= measured["all-reduce", axis]["bytes"] <= 1.07 * planned_bytes, axis
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8), pytest.param(
-    dict(data=1, fsdp=4, sequence=2), marks=pytest.mark.slow)], ids=["fsdp=8", "fsdp=4 x sequence=2"])
+@pytest.mark.parametrize("mesh", [
+    dict(data=1, fsdp=8),
+    pytest.param(dict(data=1, fsdp=4, sequence=2), marks=pytest.mark.slow)],
+    ids=["fsdp=8", "fsdp=4 x sequence=2"])
 def test_a_tied_tables_gradient_is_reduce_scattered_once(mesh):
   """The table tied to the head gets two gradients, the lookup's and the
   head's: summed into the table's own layout they are reduce-scattered once

@@ -11,9 +11,10 @@ many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8);
 the token's weights are their unbiased scores, renormalised to sum to 1 where
 `normalize_top_k`, times `route_scale`. With a `capacity_factor` c > 0, an
 expert takes at most ceil(c x L x k / E) of a sequence's assignments, first
-come (by position, then by rank) first served; the rest are dropped (weight 0). How the kept assignments reach their
-experts, on this device or across the expert-parallel axes, is the model's
-`experts` slot (`meshtrain.parallel.experts`).
+come (by position, then by rank) first served; the rest are dropped (weight
+0). How the kept assignments reach their experts, on this device or across
+the expert-parallel axes, is the model's `experts` slot
+(`meshtrain.parallel.experts`).
 
 Balance, in every MoE layer:
   switch loss   E x sum_e f_e x P_e, with f_e the share of the batch's k x T
