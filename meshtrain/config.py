@@ -61,10 +61,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.qkv_bias = False      # biases on the q, k and v projections (Qwen2)
   c.model.qk_norm = False       # RMSNorm of each query and key head before RoPE (Qwen3)
   c.model.sliding_window = 0    # attend to the last N tokens only (Mistral); 0: the whole causal prefix
-  c.model.rope_scaling_factor = 1.0  # Llama 3.1/3.2 RoPE scaling (HF rope_type llama3); 1: none
+  c.model.rope_scaling_factor = 1.0  # RoPE context scaling (rope_scaling_type); 1: none
   c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths > original/low are divided by factor
   c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths < original/high are kept
-  c.model.rope_original_max_positions = 8192  # llama3: the context length before scaling
+  c.model.rope_original_max_positions = 8192  # llama3, yarn: the context length before scaling
+  c.model.rope_scaling_type = "llama3"  # when rope_scaling_factor != 1: llama3 | yarn (HF rope_type)
+  c.model.rope_beta_fast = 32.0       # yarn: frequencies turning more than this often in the original context are kept
+  c.model.rope_beta_slow = 1.0        # yarn: those turning less often than this are divided by the factor
+  c.model.rope_attention_factor = 0.0  # yarn: multiplies cos and sin (0: from the factor and the mscales)
+  c.model.rope_mscale = 0.0           # yarn: DeepSeek's mscale (0: unset)
+  c.model.rope_mscale_all_dim = 0.0   # yarn: DeepSeek's mscale_all_dim (0: unset)
+  c.model.rope_truncate = True        # yarn: round the band of interpolated frequencies to whole dimensions
   c.model.moe = ml_collections.ConfigDict()  # Mixture-of-Experts MLP (docs/moe.md)
   c.model.moe.num_experts = 0         # routed experts per MoE layer (0: the dense SwiGLU MLP)
   c.model.moe.experts_per_token = 2   # k: experts each token goes to

@@ -29,7 +29,7 @@ from meshtrain import distributed
 from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
-from meshtrain.models import moe
+from meshtrain.models import moe, rope
 from meshtrain.parallel import sequence
 from meshtrain.train import local_sgd, optimizer, precision, setup
 
@@ -89,6 +89,10 @@ RULES: dict[str, Rule] = {
     **{f"model.rope_{name}": above(0) for name in (
         "scaling_factor", "low_freq_factor", "high_freq_factor")},
     "model.rope_original_max_positions": at_least(1),
+    "model.rope_scaling_type": one_of(rope.SCALINGS),
+    **{f"model.rope_{name}": above(0) for name in ("beta_fast", "beta_slow")},
+    **{f"model.rope_{name}": at_least(0) for name in (
+        "attention_factor", "mscale", "mscale_all_dim")},
     "model.norm_eps": above(0),
     **{f"model.moe.{name}": at_least(0) for name in (
         "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
@@ -164,8 +168,19 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
        for name in ("initial", "period")},
     **{f"model.rope_{name}": (lambda c, sizes: c.model.rope_scaling_factor == 1,
                               "model.rope_scaling_factor is 1, so RoPE is not scaled; set it "
-                              "to Llama 3's factor")
-       for name in ("low_freq_factor", "high_freq_factor", "original_max_positions")},
+                              "to the model's context factor")
+       for name in ("original_max_positions", "scaling_type")},
+    **{f"model.rope_{name}": (lambda c, sizes: c.model.rope_scaling_factor == 1
+                              or c.model.rope_scaling_type != "llama3",
+                              "only llama3 RoPE scaling has it; set "
+                              "config.model.rope_scaling_type=llama3 and rope_scaling_factor")
+       for name in ("low_freq_factor", "high_freq_factor")},
+    **{f"model.rope_{name}": (lambda c, sizes: c.model.rope_scaling_factor == 1
+                              or c.model.rope_scaling_type != "yarn",
+                              "only yarn RoPE scaling has it; set "
+                              "config.model.rope_scaling_type=yarn and rope_scaling_factor")
+       for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                    "truncate")},
     **{key: (lambda c, sizes: not c.model.moe.num_experts,
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
@@ -260,11 +275,17 @@ def check_values(cfg) -> None:
 
 
 def _check_rope_scaling(model) -> None:
-  """Llama 3's RoPE scaling interpolates between the two wavelength bounds."""
-  if model.rope_scaling_factor != 1 and model.rope_high_freq_factor <= model.rope_low_freq_factor:
+  """RoPE scaling interpolates between two bounds: llama3's wavelengths, yarn's turns."""
+  if model.rope_scaling_factor == 1:
+    return
+  if model.rope_scaling_type == "llama3" and (model.rope_high_freq_factor
+                                              <= model.rope_low_freq_factor):
     raise ConfigError("config.model.rope_high_freq_factor", f"is {model.rope_high_freq_factor}, "
                       f"not above rope_low_freq_factor={model.rope_low_freq_factor}; Llama 3 "
                       "uses 4 and 1")
+  if model.rope_scaling_type == "yarn" and model.rope_beta_fast <= model.rope_beta_slow:
+    raise ConfigError("config.model.rope_beta_fast", f"is {model.rope_beta_fast}, not above "
+                      f"rope_beta_slow={model.rope_beta_slow}; YaRN uses 32 and 1")
 
 
 def _check_ignored(cfg, values, defaults, sizes) -> None:

@@ -36,14 +36,20 @@ from meshtrain.train.resume import start_state
 from meshtrain.train.setup import build
 
 # Small Llamas covering grouped-query attention (kv heads split and whole under
-# tensor=2), tied and untied embeddings, and Llama 3's RoPE scaling (a short
-# original context, so that positions 0..31 reach the scaled frequencies).
+# tensor=2), tied and untied embeddings, and Llama 3's and YaRN's RoPE scaling
+# (a short original context, so that positions 0..31 reach the scaled
+# frequencies; YaRN's band between whole dimensions, and cos and sin scaled by
+# DeepSeek's ratio of two mscales).
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 4.0, "beta_slow": 0.25, "mscale": 1.5, "mscale_all_dim": 0.5,
+        "truncate": False}
 CASES = {
     "untied_gqa": dict(num_key_value_heads=2, tie_word_embeddings=False),
     "tied_llama3_rope": dict(
         num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500_000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "yarn_rope": dict(num_key_value_heads=2, rope_theta=1000.0, rope_scaling=YARN),
 }
 
 
@@ -114,6 +120,32 @@ def test_imported_model_computes_transformers_logits(hf_model, mesh):
   scale = np.abs(expected).max()
   assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
 
+
+
+@pytest.mark.parametrize("rope", [YARN, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                         "original_max_position_embeddings": 4096},
+                                  {"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 32768}],
+                         ids=["test model", "DeepSeek-V3", "Qwen3 long context"])
+def test_yarn_frequencies_and_their_export_are_transformers(rope):
+  """YaRN's frequencies and cos/sin factor equal transformers' for the test
+  model's, DeepSeek-V3's and Qwen3's settings (head size 64), and the
+  exported config reads back to the same model keys."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from meshtrain.models import rope as meshtrain_rope
+  from meshtrain.models.llama import LlamaConfig
+  hf = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                rope_theta=10_000.0, rope_scaling=rope).to_dict()
+  keys = hf_config.model_keys(hf)
+  model = LlamaConfig(**{**keys, "moe": None})
+  expected_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**hf))
+  np.testing.assert_allclose(meshtrain_rope.frequencies(64, model.rope_theta, model.rope_scaling),
+                             expected_freq.numpy(), rtol=1e-6)
+  assert model.rope_scaling.cos_sin_factor == pytest.approx(expected_factor, rel=1e-12)
+  exported = micro_config()
+  exported.model.update(keys)
+  assert hf_config.model_keys(hf_config.to_hf(exported.model, "float32")) == keys
 
 
 def finetune_config(source, workdir, **changes):

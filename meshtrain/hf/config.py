@@ -12,7 +12,7 @@ families meshtrain's one decoder covers (`FAMILIES`):
              expert on every token whose output a sigmoid gates per token
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
-than default or llama3, biases elsewhere, Qwen's per-layer sliding window,
+than default, llama3 or yarn, biases elsewhere, Qwen's per-layer sliding window,
 router noise) is refused in one line naming the key, before anything is
 written. Reads both spellings of RoPE settings: `rope_theta` + `rope_scaling`
 (transformers 4) and `rope_parameters` (transformers 5); writes the first,
@@ -34,10 +34,11 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM"}
-# No RoPE scaling: the llama3 keys at their defaults.
-LLAMA3_DEFAULTS = {key: get_config().model[key] for key in (
-    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_positions")}
+# No RoPE scaling: every scaling key at its default.
+ROPE_DEFAULTS = {key: value for key, value in get_config().model.items()
+                 if key.startswith("rope_") and key != "rope_theta"}
+# YaRN's optional settings (transformers' names; None or 0 leaves each unset).
+YARN_FLOATS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 # HF keys meshtrain writes itself on export; everything else of the source config is kept.
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
@@ -84,8 +85,10 @@ def _unsupported(hf: dict) -> list[str]:
               "router_jitter_noise": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1}
   bad = [f"{name}={hf[name]!r}" for name, ok in expected.items() if hf.get(name, ok) != ok]
   rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
-  if rope_type not in ("default", "llama3"):
+  if rope_type not in ("default", "llama3", "yarn"):
     bad.append(f"rope_type={rope_type!r}")
+  if rope_type == "yarn" and _rope(hf).get("attention_factor") and _rope(hf).get("factor") == 1:
+    bad.append("a YaRN attention_factor with factor 1")
   dense = hf.get("mlp_only_layers") or []
   if family in ("qwen3_moe", "qwen2_moe") and list(dense) != list(range(len(dense))):
     bad.append(f"mlp_only_layers={dense!r} (only leading dense layers)")
@@ -96,6 +99,16 @@ def _unsupported(hf: dict) -> list[str]:
 
 def _rope(hf: dict) -> dict:
   return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _yarn_original(hf: dict) -> int:
+  return int(_rope(hf).get("original_max_position_embeddings") or hf["max_position_embeddings"])
+
+
+def _yarn_factor(hf: dict) -> float:
+  """YaRN's factor; DeepSeek's configs may leave it to the two context
+  lengths, as transformers then reads it."""
+  return float(_rope(hf).get("factor") or hf["max_position_embeddings"] / _yarn_original(hf))
 
 
 def model_keys(hf: dict) -> dict:
@@ -111,12 +124,18 @@ def model_keys(hf: dict) -> dict:
       qkv_bias=family == "qwen2" or family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
       qk_norm=family in ("qwen3", "qwen3_moe"),
       sliding_window=int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0,
-      **LLAMA3_DEFAULTS, moe={"num_experts": 0})
-  if rope.get("rope_type", rope.get("type")) == "llama3":
+      **ROPE_DEFAULTS, moe={"num_experts": 0})
+  rope_type = rope.get("rope_type", rope.get("type"))
+  if rope_type == "llama3":
     keys.update(rope_scaling_factor=float(rope["factor"]),
                 rope_low_freq_factor=float(rope["low_freq_factor"]),
                 rope_high_freq_factor=float(rope["high_freq_factor"]),
                 rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+  elif rope_type == "yarn" and _yarn_factor(hf) != 1:  # at 1, YaRN changes nothing
+    keys.update(rope_scaling_type="yarn", rope_scaling_factor=_yarn_factor(hf),
+                rope_original_max_positions=_yarn_original(hf),
+                **{f"rope_{name}": float(rope[name]) for name in YARN_FLOATS if rope.get(name)},
+                rope_truncate=bool(rope.get("truncate", True)))
   if family == "mixtral":
     keys["moe"] = dict(num_experts=hf["num_local_experts"],
                        experts_per_token=hf["num_experts_per_tok"],
@@ -190,7 +209,13 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
               mlp_only_layers=list(range(moe.first_dense_layers)))
     if name == "qwen2_moe":
       hf.update(shared_expert_intermediate_size=moe.shared_mlp_dim, qkv_bias=model.qkv_bias)
-  if model.rope_scaling_factor != 1:
+  if model.rope_scaling_factor != 1 and model.rope_scaling_type == "yarn":
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": model.rope_scaling_factor,
+                          "original_max_position_embeddings": model.rope_original_max_positions,
+                          "truncate": model.rope_truncate,
+                          **{name: model[f"rope_{name}"] for name in YARN_FLOATS
+                             if model[f"rope_{name}"]}}
+  elif model.rope_scaling_factor != 1:
     hf["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
                           "low_freq_factor": model.rope_low_freq_factor,
                           "high_freq_factor": model.rope_high_freq_factor,

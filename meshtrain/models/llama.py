@@ -59,16 +59,27 @@ class LlamaConfig:
   sliding_window: int = 0    # attend to the last N tokens (Mistral); 0: the whole prefix
   compute_dtype: str = "float32"
   remat: Remat = "none"
-  rope_scaling_factor: float = 1.0  # Llama 3's RoPE scaling (models/rope.py); 1: none
+  rope_scaling_factor: float = 1.0  # RoPE's context scaling (models/rope.py); 1: none
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 8192
+  rope_scaling_type: str = "llama3"  # llama3 | yarn
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_attention_factor: float = 0.0
+  rope_mscale: float = 0.0
+  rope_mscale_all_dim: float = 0.0
+  rope_truncate: bool = True
   moe: MoEConfig = MoEConfig()
 
   @property
-  def rope_scaling(self) -> rope.Llama3Scaling | None:
+  def rope_scaling(self) -> rope.Llama3Scaling | rope.YarnScaling | None:
     if self.rope_scaling_factor == 1:
       return None
+    if self.rope_scaling_type == "yarn":
+      return rope.YarnScaling(self.rope_scaling_factor, self.rope_original_max_positions,
+                              self.rope_beta_fast, self.rope_beta_slow, self.rope_attention_factor,
+                              self.rope_mscale, self.rope_mscale_all_dim, self.rope_truncate)
     return rope.Llama3Scaling(self.rope_scaling_factor, self.rope_low_freq_factor,
                               self.rope_high_freq_factor, self.rope_original_max_positions)
 
