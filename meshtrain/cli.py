@@ -387,8 +387,11 @@ def export_hf_command(argv: list[str]) -> None:
   setup = build(cfg)
   params = from_stage_slots(cfg, read_saved(saved_run.load_params, _WORKDIR.value, step, cfg,
                                             setup.spec.abstract_params, setup.shardings.params))
-  files = exporter.export_hf(cfg, params, _WORKDIR.value, _TO.value, dtype=_DTYPE.value,
-                             max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
+  model_state = read_saved(saved_run.load_model_state, _WORKDIR.value, step, cfg,
+                           setup.abstract_state().model_state, setup.shardings.model_state)
+  model_state = None if model_state is None else from_stage_slots(cfg, model_state)
+  files = exporter.export_hf(cfg, params, _WORKDIR.value, _TO.value, model_state=model_state,
+                             dtype=_DTYPE.value, max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
   if jax.process_index() == 0:
     print(f"exported step {step} of {_WORKDIR.value} to {_TO.value}: {', '.join(files)}")
 

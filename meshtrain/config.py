@@ -72,6 +72,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_mscale = 0.0           # yarn: DeepSeek's mscale (0: unset)
   c.model.rope_mscale_all_dim = 0.0   # yarn: DeepSeek's mscale_all_dim (0: unset)
   c.model.rope_truncate = True        # yarn: round the band of interpolated frequencies to whole dimensions
+  c.model.mla = ml_collections.ConfigDict()  # Multi-head Latent Attention (DeepSeek-V2/V3; models/mla.py)
+  c.model.mla.kv_lora_rank = 0        # the key-value latent's width (DeepSeek-V3: 512; 0: grouped-query attention)
+  c.model.mla.q_lora_rank = 0         # the query latent's width (1536; 0: queries projected from x)
+  c.model.mla.rope_head_dim = 64      # rotated dims of a query head and of the key part the heads share (model.head_dim: the rest, 128)
+  c.model.mla.v_head_dim = 128        # a value head's width
+  c.model.mla.rope_interleave = True  # RoPE on interleaved pairs, as DeepSeek's checkpoints lay them out
   c.model.moe = ml_collections.ConfigDict()  # Mixture-of-Experts MLP (docs/moe.md)
   c.model.moe.num_experts = 0         # routed experts per MoE layer (0: the dense SwiGLU MLP)
   c.model.moe.experts_per_token = 2   # k: experts each token goes to

@@ -26,8 +26,8 @@ from meshtrain import rules as r
 from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
+from meshtrain.models import mla
 from meshtrain.models.llama import Llama
-from meshtrain.models.rope import rotary
 from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import Setup
 
@@ -102,18 +102,14 @@ def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.A
   """One block on S new tokens, its keys and values written into its cache slice."""
   state, k_BxTxKxH, v_BxTxKxH = inputs
   block = nnx.merge(graphdef, state)
-  cfg = block.attn.cfg
-  q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = block.attn.project_qkv(block.attn_norm(x_BxSxD))
-  q_BxSxNxH = rotary(q_BxSxNxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
-  k_BxSxKxH = rotary(k_BxSxKxH, positions_BxS, cfg.rope_theta, cfg.rope_scaling)
+  q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = block.attn.qkv(block.attn_norm(x_BxSxD), positions_BxS)
   k_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxH, k_BxSxKxH.astype(k_BxTxKxH.dtype),
                                                   start, axis=1)
   v_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxH, v_BxSxKxH.astype(v_BxTxKxH.dtype),
                                                   start, axis=1)
   out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH,
                                              mask=visible_BxSxT[:, None])
-  x_BxSxD = x_BxSxD + jnp.einsum("bsnh,nhd->bsd", out_BxSxNxH,
-                                 block.attn.wo_NxHxD[...].astype(x_BxSxD.dtype))
+  x_BxSxD = x_BxSxD + block.attn.project_out(out_BxSxNxH.astype(x_BxSxD.dtype))
   x_BxSxD = x_BxSxD + block.mlp(block.mlp_norm(x_BxSxD))
   return x_BxSxD, (k_BxTxKxH, v_BxTxKxH)
 
@@ -180,7 +176,7 @@ class Generator:
 
     def fresh_cache(model):
       cfg = model.cfg
-      shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, cfg.head_dim)
+      shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, mla.widths(cfg.head_dim, cfg.mla)[2])
       zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
       return r.constrain(zeros, CACHE_NAMES), r.constrain(zeros, CACHE_NAMES)
 

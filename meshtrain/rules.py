@@ -29,15 +29,16 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 # experts' weights and `expert_mlp` their hidden width: names of their own, so
 # that expert parallelism (config.expert_parallel) and expert tensor
 # parallelism never meet `embed`'s or `mlp`'s axes in one spec.
-VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP = (
+VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP, LATENT = (
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "experts",
-    "expert_mlp")
+    "expert_mlp", "latent")
 # Logical names of activations. `res_length` is the length in the residual
 # stream and norms, which Megatron sequence parallelism splits over `tensor`.
 BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB = (
     "batch", "length", "res_length", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
     "act_vocab")
-WEIGHT_NAMES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP)
+WEIGHT_NAMES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM, EXPERTS, EXPERT_MLP,
+                LATENT)
 ACTIVATION_NAMES = (BATCH, LENGTH, RES_LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP,
                     ACT_VOCAB)
 LOGICAL_NAMES = WEIGHT_NAMES + ACTIVATION_NAMES
@@ -45,7 +46,7 @@ LOGICAL_NAMES = WEIGHT_NAMES + ACTIVATION_NAMES
 # What each mesh axis shards, as its own rules table.
 AXIS_RULES: Mapping[str, Mapping[str, str]] = {
     "data": {BATCH: "data"},
-    "fsdp": {BATCH: "fsdp", EMBED: "fsdp", EXPERTS: "fsdp"},
+    "fsdp": {BATCH: "fsdp", EMBED: "fsdp", EXPERTS: "fsdp", LATENT: "fsdp"},
     "tensor": {name: "tensor" for name in
                (HEADS, KV_HEADS, MLP, VOCAB, EXPERT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_MLP,
                 ACT_VOCAB)},
@@ -81,7 +82,7 @@ class ShardingRules:
 
 
 # ZeRO on the `data` axis: what stage k adds to the tables it names.
-ZERO_ON_DATA = {EMBED: "data"}
+ZERO_ON_DATA = {EMBED: "data", LATENT: "data"}
 ZERO_STAGES = (0, 1, 2, 3)
 
 

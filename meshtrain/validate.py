@@ -29,7 +29,7 @@ from meshtrain import distributed
 from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
-from meshtrain.models import moe, rope
+from meshtrain.models import mla, moe, rope
 from meshtrain.parallel import sequence
 from meshtrain.train import local_sgd, optimizer, precision, setup
 
@@ -97,6 +97,8 @@ RULES: dict[str, Rule] = {
     **{f"model.moe.{name}": at_least(0) for name in (
         "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
         "bias_update_rate", "capacity_factor")},
+    **{f"model.mla.{name}": at_least(0) for name in ("kv_lora_rank", "q_lora_rank")},
+    **{f"model.mla.{name}": at_least(1) for name in ("rope_head_dim", "v_head_dim")},
     "model.moe.experts_per_token": at_least(1),
     "model.moe.expert_groups": at_least(1),
     "model.moe.groups_per_token": at_least(0),
@@ -185,6 +187,10 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
                                         if name != "num_experts")]},
+    **{f"model.mla.{name}": (lambda c, sizes: not c.model.mla.kv_lora_rank,
+                             "model.mla.kv_lora_rank is 0, so the attention is grouped-query, "
+                             "not latent; set it > 0")
+       for name in ("q_lora_rank", "rope_head_dim", "v_head_dim", "rope_interleave")},
     "model.moe.expert_groups": (lambda c, sizes: not (c.model.moe.num_experts
                                                       and c.model.moe.groups_per_token),
                                 "a token chooses among every group's experts unless "
@@ -325,9 +331,11 @@ def _check_attention_kernel(cfg, platform: str | None) -> None:
   if cfg.compute_dtype == "float32":
     raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
                       "or use xla")
-  if cfg.model.head_dim % 8 or cfg.model.head_dim > 128:
-    raise ConfigError(key, f"cudnn needs head_dim a multiple of 8 up to 128, got "
-                      f"{cfg.model.head_dim}; use xla")
+  width = mla.widths(cfg.model.head_dim, cfg.model.mla)[2]
+  if width % 8 or width > 128:
+    raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"
+                      f"{' (Multi-head Latent Attention)' if cfg.model.mla.kv_lora_rank else ''}; "
+                      "use xla")
 
 
 def check_workdir(cfg) -> None:

@@ -22,6 +22,8 @@ from meshtrain.data import make_iterator, tokenizer as tokenizers
 from meshtrain.train.setup import build
 
 PIPELINE = ["--config.mesh.data=4", "--config.mesh.pipeline=2"]
+MLA = ["--config.model.mla.kv_lora_rank=16", "--config.model.num_kv_heads=4",
+       "--config.mesh.data=1", "--config.mesh.fsdp=8"]
 CASES = [
     # keys and types
     ("train", ["--config.stepz=5"], "config.stepz"),
@@ -109,6 +111,15 @@ CASES = [
      "config.expert_parallel"),  # the pipeline holds `data` itself
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.first_dense_layers=2"],
      "config.model.moe.first_dense_layers"),
+    # Multi-head Latent Attention
+    ("train", ["--config.model.mla.q_lora_rank=8"], "config.model.mla.q_lora_rank"),
+    ("train", ["--config.model.mla.kv_lora_rank=-16"], "config.model.mla.kv_lora_rank"),
+    ("train", ["--config.model.mla.kv_lora_rank=16"], "config.model.num_kv_heads"),
+    *[("train", [*MLA, flag], key) for flag, key in (
+        ("--config.model.mla.rope_head_dim=3", "config.model.mla.rope_head_dim"),
+        ("--config.model.mla.v_head_dim=0", "config.model.mla.v_head_dim"),
+        ("--config.model.qk_norm=true", "config.model.qk_norm"),
+        ("--config.model.mla.q_lora_rank=12", "config.model.mla.q_lora_rank"))],  # fsdp=8
     ("train", ["--config.model.moe.num_experts=8", "--config.model.moe.capacity_factor=-1"],
      "config.model.moe.capacity_factor"),
     ("train", ["--config.model.moe.num_experts=4", "--config.mesh.data=4", "--config.mesh.tensor=2",

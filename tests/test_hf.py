@@ -94,9 +94,10 @@ def imported_config(directory, **mesh):
   return cfg
 
 
-def meshtrain_logits(cfg, params, tokens, setup):
-  """The logits of `params` on `setup`'s mesh (an MoE model with its fresh router biases)."""
-  state = setup.spec.init_model_state()
+def meshtrain_logits(cfg, params, tokens, setup, model_state=None):
+  """The logits of `params` on `setup`'s mesh (an MoE model with `model_state`,
+  by default its fresh router biases)."""
+  state = setup.spec.init_model_state() if model_state is None else model_state
   weights = (params,) if state is None else (params, state)
   with jax.set_mesh(setup.mesh), nnx.logical_axis_rules(setup.rules.params):
     return np.asarray(jax.jit(lambda w, t: nnx.merge(setup.spec.graphdef, *w)(t))(weights, tokens))

@@ -1,6 +1,5 @@
 """Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-Qwen2-MoE)
-against transformers on random models it writes itself: imported logits on one
+Qwen2-MoE, DeepSeek-V3) against transformers on random models it writes itself: imported logits on one
 device and sharded, greedy generation, export that transformers loads back
 tensor for tensor, both expert layouts on disk, fine-tuning from the weights,
 and the configs meshtrain refuses."""
@@ -26,7 +25,7 @@ from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.exporter import export_hf
-from meshtrain.hf.load import load_params
+from meshtrain.hf.load import load_model_state, load_params
 from meshtrain.train.loop import train
 from meshtrain.train.resume import import_hf
 from meshtrain.train.setup import build
@@ -43,6 +42,14 @@ FAMILIES = {
     # q/k/v biases, unnormalised top-k weights, a gated shared expert on every token
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40),
+    # latent attention (a query latent; values narrower than queries and keys),
+    # sigmoid routing in 2 groups with the selection bias, two shared experts,
+    # one leading dense layer
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=4, q_lora_rank=24, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, num_hidden_layers=3, rope_scaling=None),
 }
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5)
@@ -58,6 +65,9 @@ def save_hf_model(directory, family, seed=0):
     for name, weight in model.named_parameters():
       weight.copy_(1 + 0.2 * torch.randn_like(weight) if "norm" in name
                    else 0.3 * torch.randn_like(weight))
+    for name, buffer in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias, trained apart
+        buffer.copy_(0.5 * torch.randn_like(buffer))
   model.save_pretrained(directory)
   save_tokenizer(directory)
   return model
@@ -75,6 +85,14 @@ def imported(directory, **changes):
   return cfg
 
 
+def imported_weights(directory, setup):
+  """The model's weights and model state (DeepSeek-V3's selection biases, else
+  None) on `setup`'s mesh."""
+  params = load_params(directory, setup.spec.abstract_params, setup.shardings.params, key="--from")
+  return params, load_model_state(directory, jax.eval_shape(setup.spec.init_model_state),
+                                  setup.shardings.model_state, key="--from")
+
+
 def assert_logits_close(got, expected):
   scale = np.abs(expected).max()
   assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
@@ -87,9 +105,9 @@ def test_imported_family_computes_transformers_logits(family_model, mesh):
   cfg = imported(directory, **({"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
                                if sharded else {}))
   setup = build(cfg, jax.devices() if sharded else jax.devices()[:1])
-  params = load_params(directory, setup.spec.abstract_params, setup.shardings.params, key="--from")
+  params, state = imported_weights(directory, setup)
   x = tokens()
-  assert_logits_close(meshtrain_logits(cfg, params, x, setup), hf_logits(model, x))
+  assert_logits_close(meshtrain_logits(cfg, params, x, setup, state), hf_logits(model, x))
 
 
 @pytest.mark.parametrize("strategy", ["all_gather_kv", "ulysses"])
@@ -119,10 +137,11 @@ def test_greedy_generation_equals_transformers(family_model):
   family, directory, model = family_model
   cfg = imported(directory, **{"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2})
   setup = build(cfg, jax.devices()[:4])
-  params = load_params(directory, setup.spec.abstract_params, setup.shardings.params, key="--from")
+  params, state = imported_weights(directory, setup)
   eos = model.generation_config.eos_token_id  # the family's default, or None
   got = generate.Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id=eos,
-                           model_state=setup.init_state().model_state)(PROMPTS, 10, GREEDY)
+                           model_state=setup.init_state().model_state if state is None
+                           else state)(PROMPTS, 10, GREEDY)
   for prompt, answer in zip(PROMPTS, got):
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -139,8 +158,10 @@ def test_export_loads_back_in_transformers_tensor_for_tensor(family_model, tmp_p
   cfg = saved_run.load_config(workdir, {"mesh.data": 8, "mesh.fsdp": 1})
   setup = build(cfg)
   params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
+                                     setup.shardings.model_state)
   out = tmp_path / "exported"
-  export_hf(cfg, params, workdir, out)
+  export_hf(cfg, params, workdir, out, model_state=state)
   expected = safetensors.numpy.load_file(directory / "model.safetensors")
   got = safetensors.numpy.load_file(out / "model.safetensors")
   assert sorted(got) == sorted(expected)
@@ -159,25 +180,35 @@ MADE_HERE = {  # meshtrain options -> the family they export as
                   "model.moe.first_dense_layers": 1},
     "qwen2_moe": {"model.qkv_bias": True, "model.moe.normalize_top_k": False,
                   "model.moe.shared_mlp_dim": 40, "model.moe.shared_gate": True},
+    # queries straight from x (no query latent), values wider than queries and keys
+    "deepseek_v3": {"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16,
+                    "model.mla.rope_head_dim": 4, "model.mla.v_head_dim": 16,
+                    "model.moe.router": "sigmoid", "model.moe.shared_mlp_dim": 48,
+                    "model.moe.expert_groups": 2, "model.moe.groups_per_token": 1,
+                    "model.moe.route_scale": 2.5, "model.moe.bias_update_rate": 1e-3,
+                    "model.moe.first_dense_layers": 1},
 }
 
 
-@pytest.mark.parametrize("family", tiered(list(MADE_HERE), ("qwen2_moe",)))
+@pytest.mark.parametrize("family", tiered(list(MADE_HERE), ("qwen2_moe", "deepseek_v3")))
 def test_an_moe_model_made_here_exports_as_its_family_with_its_logits(tmp_path, family):
   """No imported config to copy: `to_hf` writes the family's keys itself,
   and transformers, loading what was written, computes meshtrain's logits."""
   cfg = micro_config(**{"model.moe.num_experts": 4, "model.moe.mlp_dim": 24,
                         "workdir": str(tmp_path / "run"), **MADE_HERE[family]})
   setup = build(cfg, jax.devices()[:1])
-  params = setup.init_state().params
-  # A random norm scale (they start at 1) and q/k/v bias (at 0) must land too.
-  params = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), params)
-  export_hf(cfg, params, tmp_path / "run", tmp_path / "exported")
+  state = setup.init_state()
+  # A random norm scale (they start at 1), q/k/v bias and selection bias (at
+  # 0; it moves only with a bias_update_rate) must land too.
+  moved = (state.params, state.model_state if cfg.model.moe.bias_update_rate else None)
+  params, model_state = jax.tree.map(
+      lambda w: w + 0.1 * jax.random.normal(jax.random.key(1), w.shape), moved)
+  export_hf(cfg, params, tmp_path / "run", tmp_path / "exported", model_state=model_state)
   written = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert written["model_type"] == family
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
   x = tokens()
-  assert_logits_close(meshtrain_logits(cfg, params, x, setup), hf_logits(model, x))
+  assert_logits_close(meshtrain_logits(cfg, params, x, setup, model_state), hf_logits(model, x))
 
 
 def test_an_import_fine_tuned_with_routing_no_family_has_is_not_exported(tmp_path):
@@ -249,15 +280,16 @@ def _edit(directory, **changes):
 
 @pytest.mark.parametrize("family, changes, message", [
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=True"),
-    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
-     "rope_type='yarn'"),
+    ("qwen3", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}),
+     "rope_type='longrope'"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] \(only leading"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
-    ("qwen3", dict(model_type="deepseek_v3"), "model_type 'deepseek_v3'; meshtrain imports "
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
+    ("qwen3", dict(model_type="gemma3_text"), "model_type 'gemma3_text'; meshtrain imports "
                                               "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
-                                              "qwen2_moe")])
+                                              "qwen2_moe, deepseek_v3")])
 def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, family, changes,
                                                                      message):
   save_hf_model(tmp_path / "hf", family)
@@ -275,7 +307,13 @@ def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, fa
      "model.moe.bias_update_rate=0.001"),
     ({"model.moe.num_experts": 4, "model.moe.expert_groups": 2, "model.moe.groups_per_token": 1},
      "model.moe.groups_per_token=1"),
-    ({"model.moe.num_experts": 4, "model.moe.shared_mlp_dim": 8}, "model.moe.shared_mlp_dim=8")])
+    ({"model.moe.num_experts": 4, "model.moe.shared_mlp_dim": 8}, "model.moe.shared_mlp_dim=8"),
+    # DeepSeek-V3's router without its attention, its attention without experts
+    ({"model.moe.num_experts": 4, "model.moe.router": "sigmoid"}, "model.moe.router='sigmoid'"),
+    ({"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16},
+     "Multi-head Latent Attention without experts"),
+    ({"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16, "model.moe.num_experts": 4,
+      "model.moe.mlp_dim": 24, "model.moe.shared_mlp_dim": 40}, "model.moe.shared_mlp_dim=40")])
 def test_a_model_no_family_has_is_not_exported(changes, message):
   cfg = micro_config(**changes)
   with pytest.raises(ConfigError, match=message) as error:

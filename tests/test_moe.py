@@ -479,11 +479,12 @@ def test_moe_in_half_precision_tracks_float32(dtype):
 
 @pytest.mark.parametrize("preset, total, active", [
     ("mixtral_8x7b", 46.7e9, 12.9e9), ("qwen3_30b_a3b", 30.5e9, 3.3e9),
-    ("qwen1_5_moe_a2_7b", 14.3e9, 2.7e9)])
+    ("qwen1_5_moe_a2_7b", 14.3e9, 2.7e9), ("deepseek_v3", 671e9, 37e9)])
 def test_the_moe_presets_have_their_published_total_and_active_parameters(preset, total, active):
   """The model cards' counts, within 2% (they give two or three digits;
   Qwen3-30B-A3B's 3.3B active is 3.35B counted), Qwen1.5-MoE-A2.7B's gated
-  shared expert and q/k/v biases included."""
+  shared expert and q/k/v biases included, DeepSeek-V3's latent attention
+  too (37B active is 37.55B counted)."""
   report = plan(load(REPO / "configs" / f"{preset}.py"), 64, False)
   assert report["parameters"] == pytest.approx(total, rel=0.02)
   assert report["active_parameters"] == pytest.approx(active, rel=0.02)

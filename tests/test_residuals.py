@@ -10,6 +10,7 @@ from flax import nnx
 
 import meshtrain
 from conftest import micro_config
+from test_mla import MLA
 from meshtrain.analysis import residuals
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.setup import build
@@ -31,10 +32,13 @@ def compiled_residual_bytes(loss_fn, abstract_params, param_shardings, batch, co
   return compiled.memory_analysis().output_size_in_bytes
 
 
+@pytest.mark.parametrize("attention", [
+    "grouped-query", pytest.param("latent", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_llama_residual_bytes_match_the_compiled_program(strategy):
+def test_llama_residual_bytes_match_the_compiled_program(strategy, attention):
   for remat in ("none", "selective", "full"):
-    cfg = micro_config(**{"model.num_kv_heads": 4, "remat": remat})
+    cfg = micro_config(**{"model.num_kv_heads": 4, "remat": remat,
+                          **(MLA if attention == "latent" else {})})
     cfg.update(STRATEGIES[strategy])
     setup = build(cfg)
 

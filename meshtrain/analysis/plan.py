@@ -40,7 +40,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import costs, hlo, residuals
 from meshtrain.errors import ConfigError
-from meshtrain.models import flops
+from meshtrain.models import flops, mla
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.parallel import experts, sequence
 from meshtrain.train import local_sgd, setup as setup_lib
@@ -259,14 +259,22 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
   # Megatron's MLP blocks: every layer's but the routed ones without a shared expert.
   mlp_passes = layer_passes - (0 if m.moe.shared_mlp_dim else routed_passes)
   block_passes = layer_passes + mlp_passes
+  # Multi-head Latent Attention's backward sums its latents' gradients over
+  # `tensor` (whole, as its down-projections are), not the block input's.
+  latent = m.mla.q_lora_rank + m.mla.kv_lora_rank + m.mla.rope_head_dim if m.mla.kv_lora_rank else 0
+  summed_on_latents = layer_passes if latent else 0
   if sequence_parallel:
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
-    comm.add("all-gather", {"tensor"}, activation, mesh, gathers * block_passes + 2 * passes)
+    comm.add("all-gather", {"tensor"}, activation, mesh,
+             gathers * block_passes - summed_on_latents + 2 * passes)
     comm.add("reduce-scatter", {"tensor"}, activation, mesh,
-             (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + 2 * passes)
+             (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + 2 * passes
+             - summed_on_latents)
   else:
     comm.add("all-reduce", {"tensor"}, activation, mesh,
-             (forwards + 1) * block_passes + 2 * passes)
+             (forwards + 1) * block_passes + 2 * passes - summed_on_latents)
+  if latent and t > 1:
+    comm.add("all-reduce", {"tensor"}, activation / m.embed_dim * latent, mesh, summed_on_latents)
   if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
     comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
   if sizes["sequence"] > 1:
@@ -288,7 +296,7 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
   m, sizes = cfg.model, _sizes(mesh)
   n, t = sizes["sequence"], sizes["tensor"]
   act_bytes, tokens = jnp.dtype(cfg.compute_dtype).itemsize, rows * cfg.seq_len // n
-  token_bytes = act_bytes * tokens * m.head_dim
+  token_bytes = act_bytes * tokens * mla.widths(m.head_dim, m.mla)[2]  # the padded width
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
   q, kv = token_bytes * split(m.num_heads), token_bytes * split(m.num_kv_heads)
   strategy = cfg.attention.sequence_strategy

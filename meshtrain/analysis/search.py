@@ -56,7 +56,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
 from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
-from meshtrain.models import flops
+from meshtrain.models import flops, mla
 from meshtrain.parallel import experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.analysis.clusters import Cluster
@@ -322,8 +322,8 @@ class StepModel:
         if x.ndim > 2)
     self.layer_weights = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
                              ) / m.num_layers  # one layer's, all experts
-    self.layer_forward = 2 * layer_params + 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
-    self.attention_forward = 4 * m.num_layers * m.num_heads * m.head_dim * cfg.seq_len
+    self.attention_forward = flops.attention_per_token(m, cfg.seq_len)
+    self.layer_forward = 2 * layer_params + self.attention_forward
     # The head's matmul a token, forward and backward, and that in layers (of
     # the model's average one): the last pipeline chunk's work beyond its own.
     self.head_flops = 6 * m.embed_dim * m.vocab_size
@@ -340,11 +340,18 @@ class StepModel:
     """One layer's weight matmuls on one device, [m, k] x [k, n], for
     `tokens` tokens of one microbatch there: split by `tensor` (kv heads
     whole where it does not divide them); routed experts as the tokens
-    each local expert receives."""
+    each local expert receives; Multi-head Latent Attention's latents whole
+    on each device, as its down-projections are."""
     m, t = self.cfg.model, c.sizes["tensor"]
     kv = m.num_kv_heads / t if m.num_kv_heads % t == 0 else m.num_kv_heads
     d, h = m.embed_dim, m.head_dim
     gemms = [(tokens, d, (m.num_heads / t + 2 * kv) * h), (tokens, m.num_heads / t * h, d)]
+    if m.mla.kv_lora_rank:
+      latent, (qk, v, _), heads = m.mla, mla.widths(h, m.mla), m.num_heads / t
+      gemms = ([(tokens, d, latent.q_lora_rank), (tokens, latent.q_lora_rank, heads * qk)]
+               if latent.q_lora_rank else [(tokens, d, heads * qk)]) + [
+          (tokens, d, latent.kv_lora_rank + latent.rope_head_dim),
+          (tokens, latent.kv_lora_rank, heads * (h + v)), (tokens, heads * v, d)]
     moe = self.model_cfg.moe
     if not moe.num_experts:
       return gemms + [(tokens, d, 2 * m.mlp_dim / t), (tokens, m.mlp_dim / t, d)]

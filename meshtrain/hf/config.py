@@ -10,6 +10,10 @@ families meshtrain's one decoder covers (`FAMILIES`):
              `mlp_only_layers` leading dense layers)
   qwen2_moe  Qwen2's attention (`qkv_bias`), Qwen3-MoE's routing, and a shared
              expert on every token whose output a sigmoid gates per token
+  deepseek_v3  Multi-head Latent Attention (`model.mla`, DeepSeek's
+             interleaved RoPE pairs), sigmoid routing over expert groups with
+             the selection bias (`e_score_correction_bias`, model state),
+             shared experts, leading dense layers (`first_k_dense_replace`)
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
 than default, llama3 or yarn, biases elsewhere, Qwen's per-layer sliding window,
@@ -33,12 +37,17 @@ CONFIG_FILE = "config.json"
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # No RoPE scaling: every scaling key at its default.
 ROPE_DEFAULTS = {key: value for key, value in get_config().model.items()
                  if key.startswith("rope_") and key != "rope_theta"}
+MLA_DEFAULTS = get_config().model.mla.to_dict()  # no latent attention
 # YaRN's optional settings (transformers' names; None or 0 leaves each unset).
 YARN_FLOATS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+# DeepSeek-V3's own keys, which its export writes.
+DEEPSEEK_V3 = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
+               "q_lora_rank", "rope_interleave", "n_routed_experts", "n_shared_experts",
+               "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")
 # HF keys meshtrain writes itself on export; everything else of the source config is kept.
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
@@ -46,7 +55,8 @@ _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
             "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
-            "qkv_bias")
+            "qkv_bias", *DEEPSEEK_V3)
+
 
 
 def read(directory, *, key: str) -> dict:
@@ -124,7 +134,7 @@ def model_keys(hf: dict) -> dict:
       qkv_bias=family == "qwen2" or family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
       qk_norm=family in ("qwen3", "qwen3_moe"),
       sliding_window=int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0,
-      **ROPE_DEFAULTS, moe={"num_experts": 0})
+      **ROPE_DEFAULTS, mla=MLA_DEFAULTS, moe={"num_experts": 0})
   rope_type = rope.get("rope_type", rope.get("type"))
   if rope_type == "llama3":
     keys.update(rope_scaling_factor=float(rope["factor"]),
@@ -148,6 +158,20 @@ def model_keys(hf: dict) -> dict:
                        first_dense_layers=len(hf.get("mlp_only_layers") or []))
     if family == "qwen2_moe":
       keys["moe"].update(shared_mlp_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
+  elif family == "deepseek_v3":
+    # Its keys as save_pretrained and the published configs write them, each one present.
+    keys.update(num_kv_heads=heads, head_dim=hf["qk_nope_head_dim"], mla=dict(
+        MLA_DEFAULTS, kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf["q_lora_rank"] or 0,
+        rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True))))
+    groups, width = hf["n_group"] or 1, hf["moe_intermediate_size"]
+    keys["moe"] = dict(num_experts=hf["n_routed_experts"],
+                       experts_per_token=hf["num_experts_per_tok"], mlp_dim=width,
+                       shared_mlp_dim=(hf["n_shared_experts"] or 0) * width, router="sigmoid",
+                       normalize_top_k=bool(hf["norm_topk_prob"]),
+                       route_scale=float(hf["routed_scaling_factor"]), expert_groups=groups,
+                       groups_per_token=hf["topk_group"] if groups > 1 else 0,
+                       first_dense_layers=hf["first_k_dense_replace"])
   return keys
 
 
@@ -155,11 +179,22 @@ def family(model) -> str:
   """The Hugging Face `model_type` that writes `config.model`, or a
   ConfigError naming what no family has."""
   moe = model.moe
-  if moe.num_experts:
+  if model.mla.kv_lora_rank:
+    name = "deepseek_v3"
+    width = moe.mlp_dim or model.mlp_dim
+    plain = {"router": "sigmoid", "capacity_factor": 0.0, "shared_gate": False}
+    odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
+    if not moe.num_experts:
+      odd.append("Multi-head Latent Attention without experts (DeepSeek-V3's has both)")
+    elif moe.shared_mlp_dim % width:
+      odd.append(f"model.moe.shared_mlp_dim={moe.shared_mlp_dim} (DeepSeek-V3's is a whole "
+                 f"number of experts {width} wide)")
+  elif moe.num_experts:
     # Qwen2-MoE's is the gated shared expert; Qwen3-MoE's the q/k norms.
     name = "qwen3_moe" if model.qk_norm else "qwen2_moe" if moe.shared_gate else "mixtral"
-    # What no family's router has: DeepSeek-V3's selection bias (trained by
-    # bias_update_rate, model state the export would drop) and expert groups.
+    # What these families' routers lack: DeepSeek-V3's sigmoid, selection
+    # bias (bias_update_rate) and expert groups, exported with its latent
+    # attention (model.mla) only.
     plain = {"router": "softmax", "route_scale": 1.0, "capacity_factor": 0.0,
              "bias_update_rate": 0.0, "groups_per_token": 0,
              **({} if name == "qwen2_moe" else {"shared_mlp_dim": 0})}
@@ -209,6 +244,17 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
               mlp_only_layers=list(range(moe.first_dense_layers)))
     if name == "qwen2_moe":
       hf.update(shared_expert_intermediate_size=moe.shared_mlp_dim, qkv_bias=model.qkv_bias)
+  elif name == "deepseek_v3":
+    width = moe.mlp_dim or model.mlp_dim
+    hf.update(num_key_value_heads=model.num_heads, head_dim=model.mla.rope_head_dim,
+              qk_nope_head_dim=model.head_dim, qk_rope_head_dim=model.mla.rope_head_dim,
+              v_head_dim=model.mla.v_head_dim, kv_lora_rank=model.mla.kv_lora_rank,
+              q_lora_rank=model.mla.q_lora_rank or None,
+              rope_interleave=model.mla.rope_interleave, n_routed_experts=moe.num_experts,
+              num_experts_per_tok=moe.experts_per_token, moe_intermediate_size=width,
+              n_shared_experts=moe.shared_mlp_dim // width, routed_scaling_factor=moe.route_scale,
+              n_group=moe.expert_groups, topk_group=moe.groups_per_token or moe.expert_groups,
+              norm_topk_prob=moe.normalize_top_k, first_k_dense_replace=moe.first_dense_layers)
   if model.rope_scaling_factor != 1 and model.rope_scaling_type == "yarn":
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": model.rope_scaling_factor,
                           "original_max_position_embeddings": model.rope_original_max_positions,

@@ -36,20 +36,28 @@ from meshtrain.models.patterns import path_string
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def _hf_tensors(params, weights: dict, dtype) -> Iterator[tuple[str, np.ndarray]]:
+def _leaves(params, model_state, weights: dict) -> list[tuple[object, jax.Array]]:
+  """(the HF tensors' mapping, leaf) of every weight, then of the model state
+  the family keeps (DeepSeek-V3's selection biases; the others keep none)."""
+  state = jax.tree_util.tree_flatten_with_path(model_state)[0] if model_state is not None else []
+  return ([(weights[path_string(path)], leaf)
+           for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+          + [(weights[path_string(path)], leaf) for path, leaf in state
+             if path_string(path) in weights])
+
+
+def _hf_tensors(leaves, dtype) -> Iterator[tuple[str, np.ndarray]]:
   """(name, tensor) in Hugging Face layout, one gathered meshtrain weight at a time."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    weight = weights[path_string(path)]
+  for weight, leaf in leaves:
     value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     for lead, name in weight.names(value.shape):
       yield name, weight.to_hf(value[lead]).astype(dtype)
 
 
-def _shard_sizes(params, weights: dict, itemsize: int, max_shard_bytes: int) -> list[int]:
+def _shard_sizes(leaves, itemsize: int, max_shard_bytes: int) -> list[int]:
   """How many tensors each shard holds, filling shards in order up to the limit."""
   sizes = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    weight = weights[path_string(path)]
+  for weight, leaf in leaves:
     count = len(list(weight.names(leaf.shape)))
     sizes += [leaf.size // count * itemsize] * count
   counts, used = [0], 0
@@ -89,10 +97,11 @@ def _tokenizer_files(cfg, tokenizer: tokenizers.Tokenizer, directory: Path) -> l
   return [tokenizers.TOKENIZER_FILE, *dict.fromkeys(["tokenizer_config.json", *copied])]
 
 
-def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
+def export_hf(cfg, params, workdir, directory, *, model_state=None, dtype: str = "",
               max_shard_bytes: int = 5 * 2**30) -> list[str]:
-  """Writes `params` (the run in `workdir` of config `cfg`) to `directory`;
-  `dtype` "" keeps the imported model's dtype (else float32). Returns the files written."""
+  """Writes `params` and `model_state` (the run in `workdir` of config
+  `cfg`) to `directory`; `dtype` "" keeps the imported model's dtype (else
+  float32). Returns the files written."""
   directory = Path(directory)
   check_target(directory)
   source_file = Path(workdir) / HF_CONFIG_FILE
@@ -107,13 +116,14 @@ def export_hf(cfg, params, workdir, directory, *, dtype: str = "",
   family = (source or {}).get("model_type") or own_family
   weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
                        else 0)
-  counts = _shard_sizes(params, weights, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
+  leaves = _leaves(params, model_state, weights)
+  counts = _shard_sizes(leaves, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
   names = ([SINGLE_FILE] if len(counts) == 1 else
            [f"model-{i + 1:05d}-of-{len(counts):05d}.safetensors" for i in range(len(counts))])
   writer = jax.process_index() == 0
   if writer:
     directory.mkdir(parents=True, exist_ok=True)
-  tensors, weight_map, total = _hf_tensors(params, weights, DTYPES[dtype]), {}, 0
+  tensors, weight_map, total = _hf_tensors(leaves, DTYPES[dtype]), {}, 0
   for name, count in zip(tqdm(names, desc="export", unit="file", disable=not writer), counts):
     shard = dict(next(tensors) for _ in range(count))
     weight_map.update(dict.fromkeys(shard, name))

@@ -94,10 +94,9 @@ class SafetensorsDir:
     return out
 
 
-def _mapping(tensors: SafetensorsDir, hf: dict, abstract_params) -> dict:
+def _mapping(tensors: SafetensorsDir, hf: dict) -> dict:
   """The family's tensor names, in the expert layout the directory holds."""
-  dense = (jax.tree.leaves(abstract_params["dense_layers"])[0].shape[0]
-           if "dense_layers" in abstract_params else 0)
+  dense = hf_config.model_keys(hf)["moe"].get("first_dense_layers", 0)
   fused = f"model.layers.{dense}.{FUSED_GATE_UP}" in tensors.files
   return hf_weights(hf["model_type"], dense, fused_experts=fused)
 
@@ -145,11 +144,26 @@ def _place(tensors: SafetensorsDir, weight, abstract, sharding) -> jax.Array:
 def load_params(directory, abstract_params, shardings, *, key: str):
   """The weights of the Hugging Face model in `directory` as meshtrain's
   parameters (`abstract_params` tree), laid out by `shardings`."""
-  hf = hf_config.read(directory, key=key)
   tensors = SafetensorsDir(directory, key=key)
-  weights = _mapping(tensors, hf, abstract_params)
-  _check_shapes(tensors, weights, abstract_params)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  return _load(tensors, _mapping(tensors, hf_config.read(directory, key=key)), abstract_params,
+               shardings)
+
+
+def load_model_state(directory, abstract_state, shardings, *, key: str):
+  """The model state the Hugging Face model in `directory` keeps (DeepSeek-V3's
+  router selection biases), laid out by `shardings`; None where its family
+  keeps none (the state then starts at zero)."""
+  tensors = SafetensorsDir(directory, key=key)
+  weights = _mapping(tensors, hf_config.read(directory, key=key))
+  paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+  if not paths or any(path not in weights for path in paths):
+    return None
+  return _load(tensors, weights, abstract_state, shardings)
+
+
+def _load(tensors: SafetensorsDir, weights: dict, abstract, shardings):
+  _check_shapes(tensors, weights, abstract)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   flat_shardings = jax.tree.leaves(shardings)
   placed = [_place(tensors, weights[path_string(path)], leaf, sharding)
             for (path, leaf), sharding in tqdm(list(zip(leaves, flat_shardings)), desc="import",
@@ -161,10 +175,13 @@ def check_model(directory, model_cfg, *, key: str) -> dict:
   """DIR's config.json, checked against `config.model` (which must describe the same model)."""
   hf = hf_config.read(directory, key=key)
   keys = hf_config.model_keys(hf)
-  flat = {**{k: v for k, v in keys.items() if k != "moe"},
-          **{f"moe.{k}": v for k, v in keys["moe"].items()}}
+  flat = {}
+  for field, value in keys.items():  # model.moe and model.mla nested
+    flat.update({f"{field}.{k}": v for k, v in value.items()} if isinstance(value, dict)
+                else {field: value})
   for name, value in flat.items():
-    mine = model_cfg.moe[name[4:]] if name.startswith("moe.") else model_cfg[name]
+    section, _, inner = name.rpartition(".")
+    mine = (model_cfg[section] if section else model_cfg)[inner]
     if mine != value:
       raise ConfigError(f"config.model.{name}", f"is {mine!r} but the model in "
                         f"{directory} has {value!r}; set it to {value!r}")

@@ -1,6 +1,7 @@
 """Model FLOPs for MFU: the PaLM appendix-B count, 6N + 12·L·H·Q·T per token
-(N weights touched by matmuls, L layers, H heads, Q head dim, T sequence length),
-which counts training as forward + backward and ignores recomputation. A
+(N weights touched by matmuls, L layers, H heads, Q head dim, T sequence length;
+6·L·H·(Qk + Qv)·T with Multi-head Latent Attention's query-key and value
+widths), which counts training as forward + backward and ignores recomputation. A
 Mixture-of-Experts model touches k of its E routed experts per token: N counts
 k/E of the routed experts' weights (the active parameters), as DeepSeek-V3's
 and Mixtral's reports do."""
@@ -9,6 +10,7 @@ import math
 
 import jax
 
+from meshtrain.models import mla
 from meshtrain.models.llama import LlamaConfig
 
 ROUTED = ("w_gate_ExDxF", "w_up_ExDxF", "w_down_ExFxD")  # the routed experts' weights
@@ -39,6 +41,13 @@ def matmul_params(model_cfg: LlamaConfig, abstract_params) -> float:
   return active_params(model_cfg, abstract_params) - norms - lookup
 
 
+def attention_per_token(model_cfg, seq_len: int) -> float:
+  """The attention's score and value matmuls a token, forward: 2·L·H·(Qk + Qv)·T,
+  its query-key and value head widths (Q and Q, or Multi-head Latent
+  Attention's own)."""
+  qk, v, _ = mla.widths(model_cfg.head_dim, model_cfg.mla)
+  return 2 * model_cfg.num_layers * model_cfg.num_heads * (qk + v) * seq_len
+
+
 def flops_per_token(model_cfg: LlamaConfig, abstract_params, seq_len: int) -> float:
-  attention = 12 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * seq_len
-  return 6 * matmul_params(model_cfg, abstract_params) + attention
+  return 6 * matmul_params(model_cfg, abstract_params) + 3 * attention_per_token(model_cfg, seq_len)

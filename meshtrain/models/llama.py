@@ -1,6 +1,6 @@
 """A Llama-style decoder in flax NNX: RMSNorm, rotary positions, grouped-query
-attention and a SwiGLU MLP, dense or Mixture-of-Experts (`moe.py`: Mixtral,
-Qwen3-MoE, DeepSeek-V3 without its latent attention). The families'
+or latent attention (`mla.py`: DeepSeek-V2/V3) and a SwiGLU MLP, dense or
+Mixture-of-Experts (`moe.py`: Mixtral, Qwen-MoE, DeepSeek-V3). The families'
 variations are options of the one model: q/k/v biases (Qwen2), per-head q/k
 RMSNorm (Qwen3), a sliding attention window (Mistral), tied embeddings. The
 layers are stacked on a leading `layers` axis and run by `lax.scan` (one
@@ -32,7 +32,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
-from meshtrain.models import rope
+from meshtrain.models import mla, rope
+from meshtrain.models.mla import MLAConfig
 from meshtrain.models.layers import (ATTN_OUT, MLP, MLP_IN, MLP_OUT, QKV, RMSNorm, param,
                                      weight_matmul, zeros)
 from meshtrain.models.moe import MoE, MoEConfig
@@ -71,6 +72,7 @@ class LlamaConfig:
   rope_mscale_all_dim: float = 0.0
   rope_truncate: bool = True
   moe: MoEConfig = MoEConfig()
+  mla: MLAConfig = MLAConfig()
 
   @property
   def rope_scaling(self) -> rope.Llama3Scaling | rope.YarnScaling | None:
@@ -173,25 +175,101 @@ class Attention(nnx.Module):
     return (qkv_BxLxKxGxH[:, :, :, :-2].reshape(batch, length, n, h),
             qkv_BxLxKxGxH[:, :, :, -2], qkv_BxLxKxGxH[:, :, :, -1])
 
+  def qkv(self, x_BxLxD: jax.Array,
+          positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k and v as the attention takes them: projected, RoPE at `positions_BxL`."""
+    cfg = self.cfg
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.project_qkv(x_BxLxD)
+    return (rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
+            rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling), v_BxLxKxH)
+
+  def project_out(self, out_BxLxNxH: jax.Array) -> jax.Array:
+    """The heads' outputs back to the residual width."""
+    return weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...])
+
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-    cfg, dtype = self.cfg, x_BxLxD.dtype
-    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.project_qkv(x_BxLxD)
-    q_BxLxNxH = r.constrain(rotary(q_BxLxNxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
-                            (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
-    k_BxLxKxH = r.constrain(rotary(k_BxLxKxH, positions_BxL, cfg.rope_theta, cfg.rope_scaling),
-                            (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
+    dtype = x_BxLxD.dtype
+    q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self.qkv(x_BxLxD, positions_BxL)
+    q_BxLxNxH = r.constrain(q_BxLxNxH, (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
+    k_BxLxKxH = r.constrain(k_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     v_BxLxKxH = r.constrain(v_BxLxKxH, (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, r.HEAD_DIM))
     if dtype == jnp.float16 and jax.default_backend() == "cpu":
       # jax's float16 attention asks for an F16_F16_F32 dot, which CPU does not lower.
       q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (x.astype(jnp.float32) for x in
                                           (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
     out_BxLxNxH = self.attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL=segment_ids_BxL,
-                              window=cfg.sliding_window)
+                              window=self.cfg.sliding_window)
     out_BxLxNxH = r.constrain(out_BxLxNxH.astype(dtype),
                               (r.BATCH, r.LENGTH, r.ACT_HEADS, r.HEAD_DIM))
-    return checkpoint_name(weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...]),
-                           ATTN_OUT)
+    return checkpoint_name(self.project_out(out_BxLxNxH), ATTN_OUT)
+
+
+class LatentAttention(Attention):
+  """Multi-head Latent Attention (`mla.py`): q from a normalised query latent
+  (or x), k's and v's per-head parts from a normalised key-value latent, one
+  rotated key part shared by the heads; then the same attention as
+  `Attention`, at the padded width of `mla.widths`. The latent dimensions
+  are `latent` (split by `fsdp` where a weight has no `embed` dimension;
+  whole under `tensor`, as Megatron keeps MLA's down-projections)."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs,
+               attend: Callable[..., jax.Array] = attention.causal_attention):
+    m, d, n = cfg.mla, cfg.embed_dim, cfg.num_heads
+    qk, v, _ = mla.widths(cfg.head_dim, m)
+    self.cfg, self.attend = cfg, attend
+    if m.q_lora_rank:
+      self.wq_down_DxR = param(rngs, (d, m.q_lora_rank), (r.EMBED, r.LATENT), d)
+      self.q_latent_norm = RMSNorm(m.q_lora_rank, cfg.norm_eps)
+      self.wq_up_RxNxH = param(rngs, (m.q_lora_rank, n, qk), (r.LATENT, r.HEADS, r.HEAD_DIM),
+                               m.q_lora_rank)
+    else:
+      self.wq_DxNxH = param(rngs, (d, n, qk), (r.EMBED, r.HEADS, r.HEAD_DIM), d)
+    self.wkv_down_DxC = param(rngs, (d, m.kv_lora_rank + m.rope_head_dim), (r.EMBED, r.LATENT), d)
+    self.kv_latent_norm = RMSNorm(m.kv_lora_rank, cfg.norm_eps)
+    self.wkv_up_CxNxH = param(rngs, (m.kv_lora_rank, n, cfg.head_dim + v),
+                              (r.LATENT, r.HEADS, r.HEAD_DIM), m.kv_lora_rank)
+    self.wo_NxHxD = param(rngs, (n, v, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * v)
+
+  def qkv(self, x_BxLxD: jax.Array,
+          positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    cfg, m = self.cfg, self.cfg.mla
+    qk, _, width = mla.widths(cfg.head_dim, m)
+    latent = (r.BATCH, r.LENGTH, None)
+
+    def down(equation: str, w_DxR: jax.Array) -> jax.Array:
+      """A down-projection, its weight whole in the matmul (gathered again in
+      the backward, as every weight is): left to the partitioner, its model
+      width was moved onto `tensor` by collective-permutes, which deadlocked
+      inside a pipeline stage's branch (jax 0.10.2, fsdp x tensor)."""
+      return r.constrain(weight_matmul(equation, x_BxLxD, w_DxR, fuse=lambda w: r.constrain(
+          w, (r.ACT_EMBED, None))), latent)
+
+    if m.q_lora_rank:
+      q_BxLxR = down("bld,dr->blr", self.wq_down_DxR[...])
+      q_BxLxR = self.q_latent_norm(checkpoint_name(q_BxLxR, QKV))
+      q_BxLxNxH = weight_matmul("blr,rnh->blnh", q_BxLxR, self.wq_up_RxNxH[...])
+    else:
+      q_BxLxNxH = weight_matmul("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...])
+    kv_BxLxC = checkpoint_name(down("bld,dc->blc", self.wkv_down_DxC[...]), QKV)
+    kv_BxLxNxH = checkpoint_name(weight_matmul(
+        "blc,cnh->blnh", self.kv_latent_norm(kv_BxLxC[..., :m.kv_lora_rank]),
+        self.wkv_up_CxNxH[...]), QKV)
+    rotate = functools.partial(mla.rotary, positions_BxL=positions_BxL, theta=cfg.rope_theta,
+                               scaling=cfg.rope_scaling, interleave=m.rope_interleave)
+    q_BxLxNxH = checkpoint_name(q_BxLxNxH, QKV)
+    q_BxLxNxH = jnp.concatenate([q_BxLxNxH[..., :cfg.head_dim],
+                                 rotate(q_BxLxNxH[..., cfg.head_dim:])], axis=-1)
+    k_rope_BxLx1xR = rotate(kv_BxLxC[..., None, m.kv_lora_rank:])
+    k_BxLxNxH = jnp.concatenate([kv_BxLxNxH[..., :cfg.head_dim], jnp.broadcast_to(
+        k_rope_BxLx1xR, (*kv_BxLxNxH.shape[:3], m.rope_head_dim))], axis=-1)
+    scale = mla.query_scale(qk, width, cfg.rope_scaling)
+    return (mla.pad_to(q_BxLxNxH * jnp.asarray(scale, q_BxLxNxH.dtype), width),
+            mla.pad_to(k_BxLxNxH, width), mla.pad_to(kv_BxLxNxH[..., cfg.head_dim:], width))
+
+  def project_out(self, out_BxLxNxH: jax.Array) -> jax.Array:
+    v = self.cfg.mla.v_head_dim
+    return weight_matmul("blnh,nhd->bld", out_BxLxNxH[..., :v], self.wo_NxHxD[...])
 
 
 class Block(nnx.Module):
@@ -200,7 +278,8 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots(), moe: bool = False):
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-    self.attn = Attention(cfg, rngs, slots.attention)
+    self.attn = (LatentAttention if cfg.mla.kv_lora_rank else Attention)(cfg, rngs,
+                                                                         slots.attention)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     if moe:
       moe_layers = cfg.num_layers - cfg.moe.first_dense_layers

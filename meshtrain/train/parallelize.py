@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshtrain.models import moe
+from meshtrain.models import mla, moe
 from meshtrain.models.llama import Llama, LlamaConfig, Slots, default_positions
 from meshtrain.parallel import attention, experts, offload, sequence
 from meshtrain.parallel.pipeline.stages import StageLayout
@@ -39,7 +39,8 @@ def model_config(cfg) -> LlamaConfig:
   model = cfg.model.to_dict()
   gemm = experts.gemm_for(model["moe"]["grouped_gemm"], cfg.compute_dtype, expert_widths(cfg),
                           jax.devices()[0])
-  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**{**model["moe"], "grouped_gemm": gemm})},
+  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**{**model["moe"], "grouped_gemm": gemm}),
+                        "mla": mla.MLAConfig(**model["mla"])},
                      compute_dtype=cfg.compute_dtype, remat=cfg.remat)
 
 
@@ -58,7 +59,8 @@ def expert_axes(cfg) -> tuple[str, ...]:
 def attention_kernel(cfg) -> str:
   """`config.attention.implementation` resolved on this machine's first device."""
   return attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
-                                      cfg.model.head_dim, jax.devices()[0],
+                                      mla.widths(cfg.model.head_dim, cfg.model.mla)[2],
+                                      jax.devices()[0],
                                       packed=cfg.data.packing == "segments")
 
 

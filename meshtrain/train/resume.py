@@ -13,7 +13,7 @@ from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
-from meshtrain.hf.load import check_model, load_params
+from meshtrain.hf.load import check_model, load_model_state, load_params
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
@@ -117,13 +117,19 @@ def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
   relayout = Relayout(StageLayout((own.num_layers,), 1), own)
   params = relayout.moved(load_params(directory, *relayout.as_saved(
       setup.spec.abstract_params, setup.shardings.params), key=key), setup.shardings.params)
+  abstract_state = jax.eval_shape(setup.spec.init_model_state)
+  model_state = load_model_state(directory, *relayout.as_saved(
+      abstract_state, setup.shardings.model_state), key=key)
+  if model_state is not None:
+    model_state = relayout.moved(model_state, setup.shardings.model_state)
 
-  def create(params):
+  def create(params, model_state):
     return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params),
                       jnp.zeros((), jnp.int32), loss_scale=initial_loss_scale(setup.cfg),
-                      model_state=setup.spec.init_model_state())
+                      model_state=(setup.spec.init_model_state() if model_state is None
+                                   else model_state))
   with jax.set_mesh(setup.mesh):
-    return jax.jit(create, out_shardings=setup.shardings, donate_argnums=0)(params)
+    return jax.jit(create, out_shardings=setup.shardings, donate_argnums=0)(params, model_state)
 
 
 def init_from(cfg, setup: Setup) -> TrainState:

@@ -89,7 +89,7 @@ def validate(cfg, mesh: Mesh) -> None:
   if m.num_heads % m.num_kv_heads:
     raise ConfigError("config.model.num_kv_heads",
                       f"{m.num_kv_heads} does not divide num_heads={m.num_heads}")
-  if m.head_dim % 2:
+  if m.head_dim % 2 and not m.mla.kv_lora_rank:
     raise ConfigError("config.model.head_dim", f"rotary positions need an even head_dim, got {m.head_dim}")
   replicas = mesh.shape["data"] * mesh.shape["fsdp"]
   if mesh.shape["pipeline"] > 1:
@@ -123,8 +123,33 @@ def validate(cfg, mesh: Mesh) -> None:
     raise ConfigError("config.attention.sequence_strategy", "the ring has no sliding window "
                       f"(config.model.sliding_window={m.sliding_window}); use all_gather_kv or "
                       "ulysses")
+  if m.mla.kv_lora_rank:
+    validate_mla(cfg, weight_shards)
   if m.moe.num_experts:
     validate_moe(cfg, mesh)
+
+
+def validate_mla(cfg, weight_shards: int) -> None:
+  """Multi-head Latent Attention against the rest of the model and the mesh
+  (its latents split over fsdp, and data under ZeRO, where a weight has no
+  `embed` dimension)."""
+  m, key = cfg.model, "config.model.mla"
+  if m.num_kv_heads != m.num_heads:
+    raise ConfigError("config.model.num_kv_heads", f"{m.num_kv_heads}, but Multi-head Latent "
+                      f"Attention has a key and value head per query head; set it to "
+                      f"model.num_heads = {m.num_heads}")
+  if m.mla.rope_head_dim % 2:
+    raise ConfigError(f"{key}.rope_head_dim", f"rotary positions need an even width, got "
+                      f"{m.mla.rope_head_dim}")
+  for name in ("qkv_bias", "qk_norm"):
+    if m[name]:
+      raise ConfigError(f"config.model.{name}", "is not an option of Multi-head Latent Attention "
+                        "(it normalises its latents instead); set it to False")
+  for name in ("kv_lora_rank", "q_lora_rank"):
+    if m.mla[name] % weight_shards:
+      raise ConfigError(f"{key}.{name}", f"{m.mla[name]} is not divisible by config.mesh.fsdp" +
+                        (" x config.mesh.data (zero_stage > 0)" if cfg.zero_stage else "") +
+                        f" = {weight_shards}, which split the latents")
 
 
 def validate_moe(cfg, mesh: Mesh) -> None:
