@@ -30,7 +30,7 @@ from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import mla, moe, rope
-from meshtrain.parallel import sequence
+from meshtrain.parallel import attention, sequence
 from meshtrain.train import local_sgd, optimizer, precision, setup
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
@@ -332,7 +332,7 @@ def _check_attention_kernel(cfg, platform: str | None) -> None:
     raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
                       "or use xla")
   width = mla.widths(cfg.model.head_dim, cfg.model.mla)[2]
-  if width % 8 or width > 128:
+  if not attention.flash_fits(width):
     raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"
                       f"{' (Multi-head Latent Attention)' if cfg.model.mla.kv_lora_rank else ''}; "
                       "use xla")

@@ -13,7 +13,9 @@ from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from test_plan import by_axis, executed_collectives
+from meshtrain.analysis import clusters, search
 from meshtrain.analysis.plan import analytic
+from meshtrain.mesh import AXES
 from meshtrain.models import flops
 from meshtrain.train.parallelize import model_config
 from meshtrain.train.setup import build
@@ -121,3 +123,14 @@ def test_flops_count_the_query_key_and_value_widths():
       layers * c * h * 14)
   assert sum(x.size for x in jax.tree.leaves(setup.spec.abstract_params["layers"]["attn"])) == (
       layers * attention)
+
+
+@pytest.mark.parametrize("rope_head_dim, flash", [(8, True), (124, False)])
+def test_the_planner_gives_flash_attention_only_heads_it_takes(rope_head_dim, flash):
+  """Heads 8 + 8 wide fit cuDNN's flash attention on an H100 (no scores kept);
+  8 + 124 = 132 do not, so their attention keeps its scores, as it will run."""
+  cfg = micro_config(**{**MLA, "model.mla.rope_head_dim": rope_head_dim})
+  model = search.StepModel(cfg, clusters.PRESETS["h100"])
+  assert model.flash is flash
+  candidate = search.Candidate(mesh=tuple((axis, 1) for axis in AXES))
+  assert (model.score_elements(candidate, cfg, rows=2) > 0) is not flash

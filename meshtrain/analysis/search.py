@@ -57,7 +57,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshtrain import rules as r
 from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.models import flops, mla
-from meshtrain.parallel import experts, sequence as sequence_lib
+from meshtrain.parallel import attention, experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.analysis.clusters import Cluster
 from meshtrain.errors import ConfigError
@@ -329,7 +329,10 @@ class StepModel:
     self.head_flops = 6 * m.embed_dim * m.vocab_size
     self.head_layers = self.head_flops * m.num_layers / (self.flops_per_token - self.head_flops)
     self.dense_layers = plan_lib.dense_layers(cfg)
-    self.activations = _ActivationModel(cfg, cluster.flash_attention)
+    # cuDNN's flash attention where the cluster has it and the heads fit it.
+    self.flash = cluster.flash_attention and attention.flash_fits(
+        mla.widths(m.head_dim, m.mla)[2])
+    self.activations = _ActivationModel(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
 
   def recompute_per_token(self, c: Candidate) -> float:
@@ -417,7 +420,7 @@ class StepModel:
     sizes, m = c.sizes, cfg.model
     n = sizes["sequence"]
     whole_length = n == 1 or cfg.attention.sequence_strategy == "ulysses"
-    if (whole_length or c.flash_context) and self.cluster.flash_attention:
+    if (whole_length or c.flash_context) and self.flash:
       return 0.0
     ring = (n + 1) / (2 * n) if n > 1 and cfg.attention.sequence_strategy == "ring" else 1.0
     return rows * m.num_heads / sizes["tensor"] * cfg.seq_len / n * cfg.seq_len * ring

@@ -18,6 +18,12 @@ from meshtrain.errors import ConfigError
 IMPLEMENTATIONS = ("xla", "cudnn")
 
 
+def flash_fits(head_width: int) -> bool:
+  """Whether cuDNN's flash attention takes heads `head_width` wide: a multiple
+  of 8 up to 128."""
+  return head_width % 8 == 0 and head_width <= 128
+
+
 def implementation_for(requested: str, compute_dtype: str, head_dim: int, device: jax.Device,
                        packed: bool = False) -> str:
   """What `attention.implementation=""` (the best available) means on `device`.
@@ -31,8 +37,7 @@ def implementation_for(requested: str, compute_dtype: str, head_dim: int, device
   if requested:
     return requested
   flash = (device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
-           and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128
-           and not packed)
+           and compute_dtype in ("bfloat16", "float16") and flash_fits(head_dim) and not packed)
   return "cudnn" if flash else "xla"
 
 
