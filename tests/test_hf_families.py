@@ -1,5 +1,5 @@
 """Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-Qwen2-MoE, DeepSeek-V3) against transformers on random models it writes itself: imported logits on one
+Qwen2-MoE, DeepSeek-V2, DeepSeek-V3) against transformers on random models it writes itself: imported logits on one
 device and sharded, greedy generation, export that transformers loads back
 tensor for tensor, both expert layouts on disk, fine-tuning from the weights,
 and the configs meshtrain refuses."""
@@ -42,6 +42,17 @@ FAMILIES = {
     # q/k/v biases, unnormalised top-k weights, a gated shared expert on every token
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40),
+    # latent attention without a query latent (V2-Lite's), YaRN as V2-Lite's,
+    # unnormalised softmax weights scaled, two shared experts, a dense layer
+    "deepseek_v2": dict(num_key_value_heads=4, head_dim=4, q_lora_rank=None, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                        n_routed_experts=8, num_experts_per_tok=2, topk_method="greedy",
+                        moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
+                        routed_scaling_factor=1.5, num_hidden_layers=3,
+                        max_position_embeddings=64,
+                        rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                      "mscale_all_dim": 0.707, "beta_fast": 4, "beta_slow": 1,
+                                      "original_max_position_embeddings": 8}),
     # latent attention (a query latent; values narrower than queries and keys),
     # sigmoid routing in 2 groups with the selection bias, two shared experts,
     # one leading dense layer
@@ -180,6 +191,11 @@ MADE_HERE = {  # meshtrain options -> the family they export as
                   "model.moe.first_dense_layers": 1},
     "qwen2_moe": {"model.qkv_bias": True, "model.moe.normalize_top_k": False,
                   "model.moe.shared_mlp_dim": 40, "model.moe.shared_gate": True},
+    "deepseek_v2": {"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16,
+                    "model.mla.q_lora_rank": 24, "model.mla.rope_head_dim": 4,
+                    "model.mla.v_head_dim": 6, "model.moe.normalize_top_k": False,
+                    "model.moe.shared_mlp_dim": 24, "model.moe.route_scale": 1.5,
+                    "model.moe.first_dense_layers": 1},
     # queries straight from x (no query latent), values wider than queries and keys
     "deepseek_v3": {"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16,
                     "model.mla.rope_head_dim": 4, "model.mla.v_head_dim": 16,
@@ -287,9 +303,14 @@ def _edit(directory, **changes):
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
+     "topk_method='group_limited_greedy' with n_group=2"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                              "weight_block_size": [128, 128]}),
+     "quantization_config \\(quant_method='fp8'"),
     ("qwen3", dict(model_type="gemma3_text"), "model_type 'gemma3_text'; meshtrain imports "
                                               "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
-                                              "qwen2_moe, deepseek_v3")])
+                                              "qwen2_moe, deepseek_v2, deepseek_v3")])
 def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, family, changes,
                                                                      message):
   save_hf_model(tmp_path / "hf", family)
@@ -313,7 +334,10 @@ def test_what_a_family_does_not_implement_is_refused_before_writing(tmp_path, fa
     ({"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16},
      "Multi-head Latent Attention without experts"),
     ({"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16, "model.moe.num_experts": 4,
-      "model.moe.mlp_dim": 24, "model.moe.shared_mlp_dim": 40}, "model.moe.shared_mlp_dim=40")])
+      "model.moe.mlp_dim": 24, "model.moe.shared_mlp_dim": 40}, "model.moe.shared_mlp_dim=40"),
+    # DeepSeek-V2's softmax weights are never renormalised
+    ({"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16, "model.moe.num_experts": 4},
+     "model.moe.normalize_top_k=True")])
 def test_a_model_no_family_has_is_not_exported(changes, message):
   cfg = micro_config(**changes)
   with pytest.raises(ConfigError, match=message) as error:

@@ -10,10 +10,14 @@ families meshtrain's one decoder covers (`FAMILIES`):
              `mlp_only_layers` leading dense layers)
   qwen2_moe  Qwen2's attention (`qkv_bias`), Qwen3-MoE's routing, and a shared
              expert on every token whose output a sigmoid gates per token
-  deepseek_v3  Multi-head Latent Attention (`model.mla`, DeepSeek's
-             interleaved RoPE pairs), sigmoid routing over expert groups with
-             the selection bias (`e_score_correction_bias`, model state),
-             shared experts, leading dense layers (`first_k_dense_replace`)
+  deepseek_v2  Multi-head Latent Attention (`model.mla`, DeepSeek's
+             interleaved RoPE pairs), softmax routing of unnormalised weights
+             (greedy: V2-Lite's; the groups of `group_limited_greedy` are
+             refused), shared experts, leading dense layers
+             (`first_k_dense_replace`)
+  deepseek_v3  the same attention and layers, sigmoid routing over expert
+             groups with the selection bias (`e_score_correction_bias`, model
+             state)
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
 than default, llama3 or yarn, biases elsewhere, Qwen's per-layer sliding window,
@@ -37,17 +41,20 @@ CONFIG_FILE = "config.json"
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # No RoPE scaling: every scaling key at its default.
 ROPE_DEFAULTS = {key: value for key, value in get_config().model.items()
                  if key.startswith("rope_") and key != "rope_theta"}
 MLA_DEFAULTS = get_config().model.mla.to_dict()  # no latent attention
 # YaRN's optional settings (transformers' names; None or 0 leaves each unset).
 YARN_FLOATS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
-# DeepSeek-V3's own keys, which its export writes.
-DEEPSEEK_V3 = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
-               "q_lora_rank", "rope_interleave", "n_routed_experts", "n_shared_experts",
-               "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")
+# DeepSeek's own keys, which its export writes.
+DEEPSEEK_KEYS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
+                 "q_lora_rank", "rope_interleave", "n_routed_experts", "n_shared_experts",
+                 "routed_scaling_factor", "n_group", "topk_group", "topk_method",
+                 "first_k_dense_replace")
 # HF keys meshtrain writes itself on export; everything else of the source config is kept.
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
@@ -55,7 +62,7 @@ _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
             "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
-            "qkv_bias", *DEEPSEEK_V3)
+            "qkv_bias", *DEEPSEEK_KEYS)
 
 
 
@@ -94,6 +101,12 @@ def _unsupported(hf: dict) -> list[str]:
   expected = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
               "router_jitter_noise": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1}
   bad = [f"{name}={hf[name]!r}" for name, ok in expected.items() if hf.get(name, ok) != ok]
+  if hf.get("quantization_config"):  # DeepSeek-V3's published float8 blocks, GPTQ, AWQ, ...
+    method = hf["quantization_config"].get("quant_method", "?") if isinstance(
+        hf["quantization_config"], dict) else "?"
+    bad.append(f"quantization_config (quant_method={method!r}; meshtrain reads float32, "
+               "bfloat16 and float16 weights: convert them first, as DeepSeek-V3's "
+               "fp8_cast_bf16.py does)")
   rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
   if rope_type not in ("default", "llama3", "yarn"):
     bad.append(f"rope_type={rope_type!r}")
@@ -102,6 +115,9 @@ def _unsupported(hf: dict) -> list[str]:
   dense = hf.get("mlp_only_layers") or []
   if family in ("qwen3_moe", "qwen2_moe") and list(dense) != list(range(len(dense))):
     bad.append(f"mlp_only_layers={dense!r} (only leading dense layers)")
+  if family == "deepseek_v2" and (hf.get("n_group") or 1) > 1 and hf.get(
+      "topk_method") == "group_limited_greedy":  # groups scored by their best expert
+    bad.append(f"topk_method='group_limited_greedy' with n_group={hf['n_group']}")
   if family == "qwen2_moe" and not hf.get("shared_expert_intermediate_size", 1):
     bad.append("shared_expert_intermediate_size=0 (an empty shared expert)")
   return bad
@@ -158,20 +174,25 @@ def model_keys(hf: dict) -> dict:
                        first_dense_layers=len(hf.get("mlp_only_layers") or []))
     if family == "qwen2_moe":
       keys["moe"].update(shared_mlp_dim=hf["shared_expert_intermediate_size"], shared_gate=True)
-  elif family == "deepseek_v3":
+  elif family in DEEPSEEK:
     # Its keys as save_pretrained and the published configs write them, each one present.
     keys.update(num_kv_heads=heads, head_dim=hf["qk_nope_head_dim"], mla=dict(
         MLA_DEFAULTS, kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf["q_lora_rank"] or 0,
         rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
         rope_interleave=bool(hf.get("rope_interleave", True))))
-    groups, width = hf["n_group"] or 1, hf["moe_intermediate_size"]
+    width = hf["moe_intermediate_size"]
     keys["moe"] = dict(num_experts=hf["n_routed_experts"],
                        experts_per_token=hf["num_experts_per_tok"], mlp_dim=width,
-                       shared_mlp_dim=(hf["n_shared_experts"] or 0) * width, router="sigmoid",
-                       normalize_top_k=bool(hf["norm_topk_prob"]),
-                       route_scale=float(hf["routed_scaling_factor"]), expert_groups=groups,
-                       groups_per_token=hf["topk_group"] if groups > 1 else 0,
+                       shared_mlp_dim=(hf["n_shared_experts"] or 0) * width,
+                       route_scale=float(hf["routed_scaling_factor"]),
                        first_dense_layers=hf["first_k_dense_replace"])
+    if family == "deepseek_v2":  # softmax, its top-k weights never renormalised
+      keys["moe"].update(router="softmax", normalize_top_k=False)
+    else:
+      groups = hf["n_group"] or 1
+      keys["moe"].update(router="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
+                         expert_groups=groups,
+                         groups_per_token=hf["topk_group"] if groups > 1 else 0)
   return keys
 
 
@@ -180,14 +201,17 @@ def family(model) -> str:
   ConfigError naming what no family has."""
   moe = model.moe
   if model.mla.kv_lora_rank:
-    name = "deepseek_v3"
+    # DeepSeek-V3's router is the sigmoid; V2's the softmax, unnormalised, without groups or bias.
+    name = "deepseek_v3" if moe.router == "sigmoid" else "deepseek_v2"
     width = moe.mlp_dim or model.mlp_dim
-    plain = {"router": "sigmoid", "capacity_factor": 0.0, "shared_gate": False}
+    plain = {"capacity_factor": 0.0, "shared_gate": False, **(
+        {} if name == "deepseek_v3" else {"normalize_top_k": False, "groups_per_token": 0,
+                                          "bias_update_rate": 0.0})}
     odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
     if not moe.num_experts:
-      odd.append("Multi-head Latent Attention without experts (DeepSeek-V3's has both)")
+      odd.append("Multi-head Latent Attention without experts (DeepSeek's has both)")
     elif moe.shared_mlp_dim % width:
-      odd.append(f"model.moe.shared_mlp_dim={moe.shared_mlp_dim} (DeepSeek-V3's is a whole "
+      odd.append(f"model.moe.shared_mlp_dim={moe.shared_mlp_dim} (DeepSeek's is a whole "
                  f"number of experts {width} wide)")
   elif moe.num_experts:
     # Qwen2-MoE's is the gated shared expert; Qwen3-MoE's the q/k norms.
@@ -244,17 +268,20 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
               mlp_only_layers=list(range(moe.first_dense_layers)))
     if name == "qwen2_moe":
       hf.update(shared_expert_intermediate_size=moe.shared_mlp_dim, qkv_bias=model.qkv_bias)
-  elif name == "deepseek_v3":
+  elif name in DEEPSEEK:
     width = moe.mlp_dim or model.mlp_dim
     hf.update(num_key_value_heads=model.num_heads, head_dim=model.mla.rope_head_dim,
               qk_nope_head_dim=model.head_dim, qk_rope_head_dim=model.mla.rope_head_dim,
               v_head_dim=model.mla.v_head_dim, kv_lora_rank=model.mla.kv_lora_rank,
-              q_lora_rank=model.mla.q_lora_rank or None,
-              rope_interleave=model.mla.rope_interleave, n_routed_experts=moe.num_experts,
+              q_lora_rank=model.mla.q_lora_rank or None, n_routed_experts=moe.num_experts,
               num_experts_per_tok=moe.experts_per_token, moe_intermediate_size=width,
               n_shared_experts=moe.shared_mlp_dim // width, routed_scaling_factor=moe.route_scale,
-              n_group=moe.expert_groups, topk_group=moe.groups_per_token or moe.expert_groups,
               norm_topk_prob=moe.normalize_top_k, first_k_dense_replace=moe.first_dense_layers)
+    if name == "deepseek_v3":
+      hf.update(rope_interleave=model.mla.rope_interleave, n_group=moe.expert_groups,
+                topk_group=moe.groups_per_token or moe.expert_groups)
+    else:
+      hf.update(topk_method="greedy", n_group=None, topk_group=None)
   if model.rope_scaling_factor != 1 and model.rope_scaling_type == "yarn":
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": model.rope_scaling_factor,
                           "original_max_position_embeddings": model.rope_original_max_positions,

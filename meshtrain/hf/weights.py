@@ -127,9 +127,9 @@ _ATTENTION = {
     "mlp/w_up_DxF": Weight("mlp.up_proj.weight", True, 1),
     "mlp/w_down_FxD": Weight("mlp.down_proj.weight", True, 1),
 }
-# DeepSeek-V3's Multi-head Latent Attention (`models/mla.py`); without a query
-# latent, its queries are `attn/wq_DxNxH`, as in every other family.
-_LATENT_ATTENTION = {
+# DeepSeek's Multi-head Latent Attention (`models/mla.py`; without a query
+# latent, its queries are `attn/wq_DxNxH`, as in every other family) and shared experts.
+_DEEPSEEK = {
     "attn/wq_down_DxR": Weight("self_attn.q_a_proj.weight", True, 1),
     "attn/q_latent_norm/scale": Weight("self_attn.q_a_layernorm.weight", False, 1),
     "attn/wq_up_RxNxH": Weight("self_attn.q_b_proj.weight", True, 1),
@@ -139,9 +139,9 @@ _LATENT_ATTENTION = {
     "mlp/shared/w_gate_DxF": Weight("mlp.shared_experts.gate_proj.weight", True, 1),
     "mlp/shared/w_up_DxF": Weight("mlp.shared_experts.up_proj.weight", True, 1),
     "mlp/shared/w_down_FxD": Weight("mlp.shared_experts.down_proj.weight", True, 1),
-    # model state, not a weight: the router's selection bias
-    "mlp/bias_E": Weight("mlp.gate.e_score_correction_bias", False, 1),
 }
+# DeepSeek-V3's router's selection bias: model state, not a weight.
+_SELECTION_BIAS = {"mlp/bias_E": Weight("mlp.gate.e_score_correction_bias", False, 1)}
 # Per family: the router, then the experts' gate, up and down projections.
 _QWEN_EXPERTS = ("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight",
                  "mlp.experts.{expert}.up_proj.weight", "mlp.experts.{expert}.down_proj.weight")
@@ -151,6 +151,7 @@ _EXPERTS = {
                 "block_sparse_moe.experts.{expert}.w2.weight"),
     "qwen3_moe": _QWEN_EXPERTS,
     "qwen2_moe": _QWEN_EXPERTS,
+    "deepseek_v2": _QWEN_EXPERTS,
     "deepseek_v3": _QWEN_EXPERTS,
 }
 # Qwen2-MoE's shared expert, and the gate of its output.
@@ -175,7 +176,8 @@ def hf_weights(family: str, first_dense_layers: int = 0,
   weights = {"embed/embedding_VxD": Weight("model.embed_tokens.weight", False, 1),
              "head/final_norm/scale": Weight("model.norm.weight", False, 1),
              "head/head_DxV": Weight("lm_head.weight", True, 1)}
-  shared = {"qwen2_moe": _SHARED_EXPERT, "deepseek_v3": _LATENT_ATTENTION}.get(family, {})
+  shared = {"qwen2_moe": _SHARED_EXPERT, "deepseek_v2": _DEEPSEEK,
+            "deepseek_v3": {**_DEEPSEEK, **_SELECTION_BIAS}}.get(family, {})
   layer = {key: dataclasses.replace(w, hf_name=_LAYER + w.hf_name)
            for key, w in {**_ATTENTION, **shared}.items()}
   if family in _EXPERTS:
