@@ -21,6 +21,7 @@ from conftest import REPO, micro_config, tiered
 from test_generate import GREEDY, PROMPTS
 from test_hf import finetune_config, hf_logits, hf_loss, save_tokenizer, tokens
 from meshtrain import generate, workdir as saved_run
+from meshtrain.config import load
 from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
@@ -364,3 +365,11 @@ def test_the_readme_walkthrough_fine_tunes_on_conversations_and_transformers_loa
   assert len(evals) == 3 and evals[-1] < evals[0] - 1  # it learned the answers
   assert "<|im_start|>assistant" in result.stdout  # transformers rendered the prompt, generated
   assert json.loads((tmp_path / "hf/chat_ft/config.json").read_text())["model_type"] == "qwen2"
+
+
+@pytest.mark.parametrize("preset, family", [
+    ("mixtral_8x7b", "mixtral"), ("qwen3_30b_a3b", "qwen3_moe"), ("qwen1_5_moe_a2_7b", "qwen2_moe"),
+    ("deepseek_v2_lite", "deepseek_v2"), ("deepseek_v3", "deepseek_v3"), ("qwen3_0_6b", "qwen3"),
+    ("mistral_7b", "mistral"), ("qwen2_5_7b", "qwen2")])
+def test_each_published_shape_exports_as_its_family(preset, family):
+  assert hf_config.family(load(REPO / "configs" / f"{preset}.py").model) == family
