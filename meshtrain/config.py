@@ -88,6 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.router = "softmax"      # expert scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
   c.model.moe.expert_groups = 1       # experts in this many equal groups (DeepSeek-V3's n_group: 8)
   c.model.moe.groups_per_token = 0    # a token's experts from its best groups only (topk_group: 4; 0: all)
+  c.model.moe.group_scored_by = 2     # a group's score: the sum of its this many best experts' (DeepSeek-V3: 2; V2: 1)
   c.model.moe.normalize_top_k = True  # renormalise the k chosen scores to sum to 1 (Mixtral; Qwen3's norm_topk_prob)
   c.model.moe.route_scale = 1.0       # multiplies the k weights (DeepSeek-V3: 2.5)
   c.model.moe.aux_loss_coef = 0.01    # switch load-balancing loss, 1.0 x coef when balanced (0: off)

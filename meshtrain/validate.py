@@ -102,6 +102,7 @@ RULES: dict[str, Rule] = {
     "model.moe.experts_per_token": at_least(1),
     "model.moe.expert_groups": at_least(1),
     "model.moe.groups_per_token": at_least(0),
+    "model.moe.group_scored_by": at_least(1),
     "model.moe.router": one_of(moe.ROUTERS),
     "model.moe.route_scale": above(0),
     "attention.sequence_strategy": one_of(sequence.STRATEGIES),
@@ -200,6 +201,9 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                                    or c.model.moe.expert_groups == 1,
                                    "model.moe.expert_groups is 1, so there are no groups to "
                                    "choose from; set config.model.moe.expert_groups > 1"),
+    "model.moe.group_scored_by": (lambda c, sizes: not c.model.moe.groups_per_token,
+                                  "model.moe.groups_per_token is 0, so no group is scored; "
+                                  "set config.model.moe.groups_per_token > 0"),
     "model.moe.shared_gate": (lambda c, sizes: not (c.model.moe.num_experts
                                                     and c.model.moe.shared_mlp_dim),
                               "the model has no shared expert to gate; set "

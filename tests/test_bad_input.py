@@ -111,6 +111,11 @@ CASES = [
      "config.expert_parallel"),  # the pipeline holds `data` itself
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.first_dense_layers=2"],
      "config.model.moe.first_dense_layers"),
+    ("train", ["--config.model.moe.num_experts=8", "--config.model.moe.group_scored_by=1"],
+     "config.model.moe.group_scored_by"),  # no groups
+    ("train", ["--config.model.moe.num_experts=8", "--config.model.moe.expert_groups=2",
+               "--config.model.moe.groups_per_token=1", "--config.model.moe.group_scored_by=0"],
+     "config.model.moe.group_scored_by"),
     # Multi-head Latent Attention
     ("train", ["--config.model.mla.q_lora_rank=8"], "config.model.mla.q_lora_rank"),
     ("train", ["--config.model.mla.kv_lora_rank=-16"], "config.model.mla.kv_lora_rank"),

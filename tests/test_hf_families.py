@@ -44,10 +44,12 @@ FAMILIES = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40),
     # latent attention without a query latent (V2-Lite's), YaRN as V2-Lite's,
-    # unnormalised softmax weights scaled, two shared experts, a dense layer
+    # unnormalised softmax weights scaled, from the best of 2 groups by their
+    # best expert (V2's group_limited_greedy), two shared experts, a dense layer
     "deepseek_v2": dict(num_key_value_heads=4, head_dim=4, q_lora_rank=None, kv_lora_rank=16,
                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                        n_routed_experts=8, num_experts_per_tok=2, topk_method="greedy",
+                        n_routed_experts=8, num_experts_per_tok=2,
+                        topk_method="group_limited_greedy", n_group=2, topk_group=1,
                         moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
                         routed_scaling_factor=1.5, num_hidden_layers=3,
                         max_position_embeddings=64,
@@ -304,8 +306,7 @@ def _edit(directory, **changes):
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
-    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
-     "topk_method='group_limited_greedy' with n_group=2"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
     ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                                               "weight_block_size": [128, 128]}),
      "quantization_config \\(quant_method='fp8'"),

@@ -71,9 +71,9 @@ def plain_moe(x_BxLxD, router_DxE, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, cfg: 
   logits = jnp.einsum("bld,de->ble", x_BxLxD, router_DxE)
   scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
   selection = jax.lax.stop_gradient(scores) + (0 if bias_E is None else bias_E)
-  if cfg.groups_per_token:  # only the experts of the best groups by their two highest
+  if cfg.groups_per_token:  # only the experts of the best groups by their best few
     grouped = selection.reshape(*selection.shape[:-1], cfg.expert_groups, -1)
-    group_score = -jnp.sort(-grouped, axis=-1)[..., :2].sum(-1)
+    group_score = -jnp.sort(-grouped, axis=-1)[..., :cfg.group_scored_by].sum(-1)
     worst_groups = jnp.argsort(-group_score, axis=-1)[..., cfg.groups_per_token:]
     for g in range(cfg.expert_groups):
       dropped_group = jnp.any(worst_groups == g, axis=-1, keepdims=True)
@@ -154,6 +154,10 @@ CONFIGS = {
     "sigmoid top-3 of 16 in the best 2 of 4 groups": MoEConfig(
         num_experts=16, experts_per_token=3, router="sigmoid", expert_groups=4,
         groups_per_token=2),
+    # DeepSeek-V2's group_limited_greedy: groups scored by their best expert
+    "softmax top-3 of 16 unnormalised in the best 2 of 4 groups by their best": MoEConfig(
+        num_experts=16, experts_per_token=3, normalize_top_k=False, expert_groups=4,
+        groups_per_token=2, group_scored_by=1),
 }
 
 

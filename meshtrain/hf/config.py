@@ -12,8 +12,8 @@ families meshtrain's one decoder covers (`FAMILIES`):
              expert on every token whose output a sigmoid gates per token
   deepseek_v2  Multi-head Latent Attention (`model.mla`, DeepSeek's
              interleaved RoPE pairs), softmax routing of unnormalised weights
-             (greedy: V2-Lite's; the groups of `group_limited_greedy` are
-             refused), shared experts, leading dense layers
+             (V2-Lite's greedy, or V2's `group_limited_greedy`: groups scored
+             by their best expert), shared experts, leading dense layers
              (`first_k_dense_replace`)
   deepseek_v3  the same attention and layers, sigmoid routing over expert
              groups with the selection bias (`e_score_correction_bias`, model
@@ -44,6 +44,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM"}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+TOPK_METHODS = ("greedy", "group_limited_greedy")  # DeepSeek-V2's, both in transformers
 # No RoPE scaling: every scaling key at its default.
 ROPE_DEFAULTS = {key: value for key, value in get_config().model.items()
                  if key.startswith("rope_") and key != "rope_theta"}
@@ -115,9 +116,8 @@ def _unsupported(hf: dict) -> list[str]:
   dense = hf.get("mlp_only_layers") or []
   if family in ("qwen3_moe", "qwen2_moe") and list(dense) != list(range(len(dense))):
     bad.append(f"mlp_only_layers={dense!r} (only leading dense layers)")
-  if family == "deepseek_v2" and (hf.get("n_group") or 1) > 1 and hf.get(
-      "topk_method") == "group_limited_greedy":  # groups scored by their best expert
-    bad.append(f"topk_method='group_limited_greedy' with n_group={hf['n_group']}")
+  if family == "deepseek_v2" and hf.get("topk_method", "greedy") not in TOPK_METHODS:
+    bad.append(f"topk_method={hf['topk_method']!r}")
   if family == "qwen2_moe" and not hf.get("shared_expert_intermediate_size", 1):
     bad.append("shared_expert_intermediate_size=0 (an empty shared expert)")
   return bad
@@ -186,13 +186,15 @@ def model_keys(hf: dict) -> dict:
                        shared_mlp_dim=(hf["n_shared_experts"] or 0) * width,
                        route_scale=float(hf["routed_scaling_factor"]),
                        first_dense_layers=hf["first_k_dense_replace"])
-    if family == "deepseek_v2":  # softmax, its top-k weights never renormalised
-      keys["moe"].update(router="softmax", normalize_top_k=False)
-    else:
-      groups = hf["n_group"] or 1
-      keys["moe"].update(router="sigmoid", normalize_top_k=bool(hf["norm_topk_prob"]),
-                         expert_groups=groups,
-                         groups_per_token=hf["topk_group"] if groups > 1 else 0)
+    # V2: softmax, its top-k weights never renormalised, groups (if any) scored
+    # by their best expert; V3: sigmoid, groups scored by their best two.
+    v2 = family == "deepseek_v2"
+    grouped = not v2 or hf.get("topk_method") == "group_limited_greedy"
+    groups = (hf["n_group"] or 1) if grouped else 1
+    keys["moe"].update(router="softmax" if v2 else "sigmoid",
+                       normalize_top_k=False if v2 else bool(hf["norm_topk_prob"]),
+                       expert_groups=groups, groups_per_token=hf["topk_group"] if groups > 1 else 0,
+                       **({"group_scored_by": 1 if v2 else 2} if groups > 1 else {}))
   return keys
 
 
@@ -204,9 +206,11 @@ def family(model) -> str:
     # DeepSeek-V3's router is the sigmoid; V2's the softmax, unnormalised, without groups or bias.
     name = "deepseek_v3" if moe.router == "sigmoid" else "deepseek_v2"
     width = moe.mlp_dim or model.mlp_dim
-    plain = {"capacity_factor": 0.0, "shared_gate": False, **(
-        {} if name == "deepseek_v3" else {"normalize_top_k": False, "groups_per_token": 0,
-                                          "bias_update_rate": 0.0})}
+    plain = {"capacity_factor": 0.0, "shared_gate": False,
+             **({"group_scored_by": 2} if name == "deepseek_v3" else {
+                 "normalize_top_k": False, "bias_update_rate": 0.0, "group_scored_by": 1})}
+    if not moe.groups_per_token:
+      del plain["group_scored_by"]
     odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
     if not moe.num_experts:
       odd.append("Multi-head Latent Attention without experts (DeepSeek's has both)")
@@ -280,6 +284,9 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
     if name == "deepseek_v3":
       hf.update(rope_interleave=model.mla.rope_interleave, n_group=moe.expert_groups,
                 topk_group=moe.groups_per_token or moe.expert_groups)
+    elif moe.groups_per_token:
+      hf.update(topk_method="group_limited_greedy", n_group=moe.expert_groups,
+                topk_group=moe.groups_per_token)
     else:
       hf.update(topk_method="greedy", n_group=None, topk_group=None)
   if model.rope_scaling_factor != 1 and model.rope_scaling_type == "yarn":

@@ -7,7 +7,9 @@ Routing: scores are the softmax (Mixtral, Qwen) or the sigmoid (DeepSeek-V3)
 of the router's logits. The k experts are those with the highest score plus a
 selection-only bias (DeepSeek-V3's auxiliary-loss-free balancing; zero
 otherwise), with `groups_per_token` > 0 among the experts of the token's that
-many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8);
+many best of `expert_groups` groups (`in_best_groups`, DeepSeek-V3's 4 of 8,
+a group scored by the sum of its `group_scored_by` best experts' scores: 2
+in DeepSeek-V3, 1 in DeepSeek-V2);
 the token's weights are their unbiased scores, renormalised to sum to 1 where
 `normalize_top_k`, times `route_scale`. With a `capacity_factor` c > 0, an
 expert takes at most ceil(c x L x k / E) of a sequence's assignments, first
@@ -59,6 +61,7 @@ class MoEConfig:
   shared_gate: bool = False
   expert_groups: int = 1
   groups_per_token: int = 0  # 0: every group
+  group_scored_by: int = 2  # a group's score: the sum of its this many best experts' scores
   first_dense_layers: int = 0
   router: str = "softmax"
   normalize_top_k: bool = True
@@ -137,13 +140,15 @@ def top_k_indices(x_BxLxE: jax.Array, k: int) -> jax.Array:
   return jnp.stack(chosen, axis=-1)
 
 
-def in_best_groups(choice_BxLxE: jax.Array, groups: int, chosen: int) -> jax.Array:
+def in_best_groups(choice_BxLxE: jax.Array, groups: int, chosen: int,
+                   scored_by: int = 2) -> jax.Array:
   """`choice` with the experts outside each token's `chosen` best of `groups`
-  equal groups set to -inf: DeepSeek-V3's node-limited routing, a group's
-  score the sum of its two highest (one, where a group has one expert)."""
+  equal groups set to -inf: DeepSeek's node-limited routing, a group's score
+  the sum of its `scored_by` highest (DeepSeek-V3: two; V2: one; at most the
+  group's size)."""
   *lead, num_experts = choice_BxLxE.shape
   choice_BxLxGxS = choice_BxLxE.reshape(*lead, groups, num_experts // groups)
-  best_BxLxGxT = top_k_indices(choice_BxLxGxS, min(2, num_experts // groups))
+  best_BxLxGxT = top_k_indices(choice_BxLxGxS, min(scored_by, num_experts // groups))
   score_BxLxG = jnp.take_along_axis(choice_BxLxGxS, best_BxLxGxT, axis=-1).sum(axis=-1)
   kept_BxLxG = jax.nn.one_hot(top_k_indices(score_BxLxG, chosen), groups, dtype=bool).any(axis=-2)
   return jnp.where(kept_BxLxG[..., None], choice_BxLxGxS, -jnp.inf).reshape(choice_BxLxE.shape)
@@ -172,7 +177,8 @@ def route(x_BxLxD: jax.Array, router_DxE: jax.Array, bias_E: jax.Array, cfg: MoE
   probs_BxLxE = _normalized(fixed_scores_BxLxE)  # softmax: unchanged
   choice_BxLxE = fixed_scores_BxLxE + bias_E
   if cfg.groups_per_token:
-    choice_BxLxE = in_best_groups(choice_BxLxE, cfg.expert_groups, cfg.groups_per_token)
+    choice_BxLxE = in_best_groups(choice_BxLxE, cfg.expert_groups, cfg.groups_per_token,
+                                  cfg.group_scored_by)
   expert_BxLxK = top_k_indices(choice_BxLxE, k)
   chosen_BxLxE = jax.nn.one_hot(expert_BxLxK, num_experts, dtype=jnp.float32).sum(axis=2)
   tokens = token_sum(jnp.ones(x_BxLxD.shape[:2] + (1,), jnp.float32))[0]
