@@ -66,7 +66,6 @@ _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "qkv_bias", *DEEPSEEK_KEYS)
 
 
-
 def read(directory, *, key: str) -> dict:
   """DIR/config.json of a model that meshtrain can run; `key` names the flag for errors."""
   file = Path(directory) / CONFIG_FILE
