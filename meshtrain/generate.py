@@ -176,7 +176,7 @@ class Generator:
 
     def fresh_cache(model):
       cfg = model.cfg
-      shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, mla.widths(cfg.head_dim, cfg.mla)[2])
+      shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, mla.widths(cfg)[2])
       zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
       return r.constrain(zeros, CACHE_NAMES), r.constrain(zeros, CACHE_NAMES)
 

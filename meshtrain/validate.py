@@ -335,7 +335,7 @@ def _check_attention_kernel(cfg, platform: str | None) -> None:
   if cfg.compute_dtype == "float32":
     raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
                       "or use xla")
-  width = mla.widths(cfg.model.head_dim, cfg.model.mla)[2]
+  width = mla.widths(cfg.model)[2]
   if not attention.flash_fits(width):
     raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"
                       f"{' (Multi-head Latent Attention)' if cfg.model.mla.kv_lora_rank else ''}; "

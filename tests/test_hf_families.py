@@ -1,8 +1,8 @@
 """Hugging Face families beyond Llama (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-Qwen2-MoE, DeepSeek-V2, DeepSeek-V3) against transformers on random models it writes itself: imported logits on one
-device and sharded, greedy generation, export that transformers loads back
-tensor for tensor, both expert layouts on disk, fine-tuning from the weights,
-and the configs meshtrain refuses."""
+Qwen2-MoE, DeepSeek-V2, DeepSeek-V3) against transformers on random models it
+writes itself: imported logits on one device and sharded, greedy generation,
+export that transformers loads back tensor for tensor, both expert layouts on
+disk, fine-tuning from the weights, and the configs meshtrain refuses."""
 
 import json
 import os

@@ -4,19 +4,22 @@ strategy trains it equal to the same model on one device, its latent weights
 are split as the rules say, and plan counts its parameters and FLOPs."""
 
 import math
+import types
 
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import micro_config, tiered
+from conftest import REPO, micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from test_plan import by_axis, executed_collectives
 from meshtrain.analysis import clusters, search
 from meshtrain.analysis.plan import analytic
 from meshtrain.mesh import AXES
-from meshtrain.models import flops
+from meshtrain.config import load
+from meshtrain.models import flops, mla
+from meshtrain.parallel import attention
 from meshtrain.train.parallelize import model_config
 from meshtrain.train.setup import build
 
@@ -134,3 +137,13 @@ def test_the_planner_gives_flash_attention_only_heads_it_takes(rope_head_dim, fl
   assert model.flash is flash
   candidate = search.Candidate(mesh=tuple((axis, 1) for axis in AXES))
   assert (model.score_elements(candidate, cfg, rows=2) > 0) is not flash
+
+
+def test_deepseek_v3s_heads_run_at_192_beyond_cudnn_flash_attention():
+  """The README's cost of padding: DeepSeek-V3's 128-wide values beside
+  192-wide queries and keys run at 192, which the best kernel on an H100
+  leaves to XLA's attention (cuDNN's flash takes up to 128)."""
+  model = load(REPO / "configs" / "deepseek_v3.py").model
+  assert mla.widths(model) == (192, 128, 192)
+  h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  assert attention.implementation_for("", "bfloat16", mla.widths(model)[2], h100) == "xla"

@@ -296,7 +296,7 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
   m, sizes = cfg.model, _sizes(mesh)
   n, t = sizes["sequence"], sizes["tensor"]
   act_bytes, tokens = jnp.dtype(cfg.compute_dtype).itemsize, rows * cfg.seq_len // n
-  token_bytes = act_bytes * tokens * mla.widths(m.head_dim, m.mla)[2]  # the padded width
+  token_bytes = act_bytes * tokens * mla.widths(m)[2]  # the padded width
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
   q, kv = token_bytes * split(m.num_heads), token_bytes * split(m.num_kv_heads)
   strategy = cfg.attention.sequence_strategy

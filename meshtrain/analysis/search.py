@@ -330,8 +330,7 @@ class StepModel:
     self.head_layers = self.head_flops * m.num_layers / (self.flops_per_token - self.head_flops)
     self.dense_layers = plan_lib.dense_layers(cfg)
     # cuDNN's flash attention where the cluster has it and the heads fit it.
-    self.flash = cluster.flash_attention and attention.flash_fits(
-        mla.widths(m.head_dim, m.mla)[2])
+    self.flash = cluster.flash_attention and attention.flash_fits(mla.widths(m)[2])
     self.activations = _ActivationModel(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
 
@@ -350,7 +349,7 @@ class StepModel:
     d, h = m.embed_dim, m.head_dim
     gemms = [(tokens, d, (m.num_heads / t + 2 * kv) * h), (tokens, m.num_heads / t * h, d)]
     if m.mla.kv_lora_rank:
-      latent, (qk, v, _), heads = m.mla, mla.widths(h, m.mla), m.num_heads / t
+      latent, (qk, v, _), heads = m.mla, mla.widths(m), m.num_heads / t
       gemms = ([(tokens, d, latent.q_lora_rank), (tokens, latent.q_lora_rank, heads * qk)]
                if latent.q_lora_rank else [(tokens, d, heads * qk)]) + [
           (tokens, d, latent.kv_lora_rank + latent.rope_head_dim),

@@ -206,10 +206,10 @@ def family(model) -> str:
     name = "deepseek_v3" if moe.router == "sigmoid" else "deepseek_v2"
     width = moe.mlp_dim or model.mlp_dim
     plain = {"capacity_factor": 0.0, "shared_gate": False,
-             **({"group_scored_by": 2} if name == "deepseek_v3" else {
-                 "normalize_top_k": False, "bias_update_rate": 0.0, "group_scored_by": 1})}
-    if not moe.groups_per_token:
-      del plain["group_scored_by"]
+             **({} if name == "deepseek_v3" else {"normalize_top_k": False,
+                                                  "bias_update_rate": 0.0}),
+             **({"group_scored_by": 2 if name == "deepseek_v3" else 1}
+                if moe.groups_per_token else {})}
     odd = [f"model.moe.{k}={moe[k]!r}" for k, value in plain.items() if moe[k] != value]
     if not moe.num_experts:
       odd.append("Multi-head Latent Attention without experts (DeepSeek's has both)")

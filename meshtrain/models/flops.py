@@ -45,7 +45,7 @@ def attention_per_token(model_cfg, seq_len: int) -> float:
   """The attention's score and value matmuls a token, forward: 2·L·H·(Qk + Qv)·T,
   its query-key and value head widths (Q and Q, or Multi-head Latent
   Attention's own)."""
-  qk, v, _ = mla.widths(model_cfg.head_dim, model_cfg.mla)
+  qk, v, _ = mla.widths(model_cfg)
   return 2 * model_cfg.num_layers * model_cfg.num_heads * (qk + v) * seq_len
 
 

@@ -216,7 +216,7 @@ class LatentAttention(Attention):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs,
                attend: Callable[..., jax.Array] = attention.causal_attention):
     m, d, n = cfg.mla, cfg.embed_dim, cfg.num_heads
-    qk, v, _ = mla.widths(cfg.head_dim, m)
+    qk, v, _ = mla.widths(cfg)
     self.cfg, self.attend = cfg, attend
     if m.q_lora_rank:
       self.wq_down_DxR = param(rngs, (d, m.q_lora_rank), (r.EMBED, r.LATENT), d)
@@ -234,7 +234,7 @@ class LatentAttention(Attention):
   def qkv(self, x_BxLxD: jax.Array,
           positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     cfg, m = self.cfg, self.cfg.mla
-    qk, _, width = mla.widths(cfg.head_dim, m)
+    qk, _, width = mla.widths(cfg)
     latent = (r.BATCH, r.LENGTH, None)
 
     def down(equation: str, w_DxR: jax.Array) -> jax.Array:

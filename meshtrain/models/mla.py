@@ -35,10 +35,11 @@ class MLAConfig:
   rope_interleave: bool = True  # RoPE on interleaved pairs (DeepSeek's checkpoints), else halves
 
 
-def widths(head_dim: int, mla) -> tuple[int, int, int]:
-  """(qk, v, attention) head widths of a model whose `model.head_dim` is
-  `head_dim`: MLA's query-key and value widths and the padded width the
-  attention runs at, or head_dim three times without MLA."""
+def widths(model) -> tuple[int, int, int]:
+  """(qk, v, attention) head widths of `model` (`config.model` or a
+  LlamaConfig): MLA's query-key and value widths and the padded width the
+  attention runs at, or its head_dim three times without MLA."""
+  head_dim, mla = model.head_dim, model.mla
   if not mla.kv_lora_rank:
     return head_dim, head_dim, head_dim
   qk = head_dim + mla.rope_head_dim

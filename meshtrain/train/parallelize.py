@@ -59,8 +59,7 @@ def expert_axes(cfg) -> tuple[str, ...]:
 def attention_kernel(cfg) -> str:
   """`config.attention.implementation` resolved on this machine's first device."""
   return attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
-                                      mla.widths(cfg.model.head_dim, cfg.model.mla)[2],
-                                      jax.devices()[0],
+                                      mla.widths(cfg.model)[2], jax.devices()[0],
                                       packed=cfg.data.packing == "segments")
 
 
