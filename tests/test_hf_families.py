@@ -307,9 +307,14 @@ def _edit(directory, **changes):
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
-    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                              "weight_block_size": [128, 128]}),
-     "quantization_config \\(quant_method='fp8'"),
+    ("qwen3", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
+     "quantization_config \\(quant_method='gptq'; meshtrain reads .* fine-grained float8"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "expert_dtype": "fp4"}),
+     "quantization_config.expert_dtype='fp4' \\(packed float4 experts\\)"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [0, 1]}),
+     "quantization_config.weight_block_size=\\[0, 1\\] \\(two positive integers"),
+    ("qwen3_moe", dict(quantization_config={"quant_method": "fp8", "scale_fmt": "mx"}),
+     "quantization_config.scale_fmt='mx'"),
     ("qwen3", dict(model_type="gemma3_text"), "model_type 'gemma3_text'; meshtrain imports "
                                               "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
                                               "qwen2_moe, deepseek_v2, deepseek_v3")])

@@ -21,10 +21,10 @@ families meshtrain's one decoder covers (`FAMILIES`):
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
 than default, llama3 or yarn, biases elsewhere, Qwen's per-layer sliding window,
-router noise) is refused in one line naming the key, before anything is
-written. Reads both spellings of RoPE settings: `rope_theta` + `rope_scaling`
-(transformers 4) and `rope_parameters` (transformers 5); writes the first,
-which both versions load.
+router noise, a quantization other than fine-grained float8) is refused in one
+line naming the key, before anything is written. Reads both spellings of RoPE
+settings: `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters`
+(transformers 5); writes the first, which both versions load.
 
 The switch loss's coefficient is a training choice, not the model's shape:
 import leaves `model.moe.aux_loss_coef` as configured (transformers'
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from meshtrain.config import get_config
 from meshtrain.errors import ConfigError
+from meshtrain.hf import float8
 
 CONFIG_FILE = "config.json"
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -56,14 +57,15 @@ DEEPSEEK_KEYS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_
                  "q_lora_rank", "rope_interleave", "n_routed_experts", "n_shared_experts",
                  "routed_scaling_factor", "n_group", "topk_group", "topk_method",
                  "first_k_dense_replace")
-# HF keys meshtrain writes itself on export; everything else of the source config is kept.
+# HF keys meshtrain writes itself on export (or drops: its weights are not
+# quantized); everything else of the source config is kept.
 _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
             "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "dtype",
             "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
             "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
-            "qkv_bias", *DEEPSEEK_KEYS)
+            "qkv_bias", "quantization_config", *DEEPSEEK_KEYS)
 
 
 def read(directory, *, key: str) -> dict:
@@ -102,11 +104,7 @@ def _unsupported(hf: dict) -> list[str]:
               "router_jitter_noise": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1}
   bad = [f"{name}={hf[name]!r}" for name, ok in expected.items() if hf.get(name, ok) != ok]
   if hf.get("quantization_config"):  # DeepSeek-V3's published float8 blocks, GPTQ, AWQ, ...
-    method = hf["quantization_config"].get("quant_method", "?") if isinstance(
-        hf["quantization_config"], dict) else "?"
-    bad.append(f"quantization_config (quant_method={method!r}; meshtrain reads float32, "
-               "bfloat16 and float16 weights: convert them first, as DeepSeek-V3's "
-               "fp8_cast_bf16.py does)")
+    bad += float8.unsupported(hf["quantization_config"])
   rope_type = _rope(hf).get("rope_type", _rope(hf).get("type", "default"))
   if rope_type not in ("default", "llama3", "yarn"):
     bad.append(f"rope_type={rope_type!r}")

@@ -5,7 +5,9 @@ own (`safe_open` + `get_slice`: only the rows and columns it covers), converted
 to float32 and put on that device before the next is read, so the host holds
 at most one block beyond what the devices hold, and a process reads only what
 its own devices hold. A file is opened per read: its memory map (resident
-pages count as the process's memory) is let go at once.
+pages count as the process's memory) is let go at once. Float8 matrices (a
+checkpoint's `quantization_config`, `meshtrain.hf.float8`) are read as their
+bytes and multiplied by their block scales, each block as it is read.
 """
 
 import contextlib
@@ -20,21 +22,24 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from meshtrain.errors import ConfigError, reading
-from meshtrain.hf import config as hf_config
+from meshtrain.hf import config as hf_config, float8
 from meshtrain.hf.weights import FUSED_GATE_UP, hf_weights
 from meshtrain.models.patterns import path_string
 
 INDEX_FILE = "model.safetensors.index.json"
 READ_BYTES = 64 * 2**20  # of a tensor's file bytes mapped at once
-_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
+             **dict.fromkeys(float8.RAW_DTYPES, 1)}
 SINGLE_FILE = "model.safetensors"
 
 
 class SafetensorsDir:
   """The tensors of a Hugging Face model directory: which file holds each."""
 
-  def __init__(self, directory, *, key: str):
-    self.directory, self.key = Path(directory), key
+  def __init__(self, directory, *, key: str, block: tuple[int, int] | None = None):
+    """`block`: the quantized matrices' scale block (`float8.block_size`)."""
+    self.directory, self.key, self.block = Path(directory), key, block
+    self._headers: dict[Path, tuple[int, dict]] = {}
     index = self.directory / INDEX_FILE
     if index.is_file():
       with reading(key, index):
@@ -67,27 +72,74 @@ class SafetensorsDir:
     with self._open(file) as f:
       return list(f.keys())
 
-  def shape(self, name: str) -> tuple[int, ...]:
+  def _info(self, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, safetensors dtype) of a tensor."""
     if name not in self.files:
       raise ConfigError(self.key, f"{self.directory} has no tensor {name}")
     with self._open(self.files[name]) as f:
-      return tuple(f.get_slice(name).get_shape())
+      tensor = f.get_slice(name)
+      return tuple(tensor.get_shape()), tensor.get_dtype()
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._info(name)[0]
+
+  def _raw(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor[index] of a dtype numpy lacks (float8), through a memory map of
+    its bytes where the file's header (safetensors' format: its size in 8
+    bytes, then JSON) places them."""
+    file = self.files[name]
+    with reading(self.key, file):
+      if file not in self._headers:
+        with open(file, "rb") as f:
+          size = int.from_bytes(f.read(8), "little")
+          self._headers[file] = (8 + size, json.loads(f.read(size)))
+      start, header = self._headers[file]
+      entry = header[name]
+      values = np.memmap(file, float8.RAW_DTYPES[entry["dtype"]], "r",
+                         offset=start + entry["data_offsets"][0], shape=tuple(entry["shape"]))
+      return np.array(values[index])
+
+  def check_scales(self, name: str) -> str | None:
+    """The name of a float8 tensor's scales, checked against its shape; None
+    for a tensor that is not quantized."""
+    shape, dtype = self._info(name)
+    if dtype not in float8.QUANTIZED:
+      return None
+    scale_name = name + float8.SCALE_SUFFIX
+    if scale_name not in self.files:
+      raise ConfigError(self.key, f"tensor {name} is float8 but {self.directory} has no "
+                        f"{scale_name}; download every shard of the model")
+    scales, grid = self.shape(scale_name), float8.grid_shape(shape, self.block)
+    if scales != grid and not (grid is None and math.prod(scales) == 1):
+      raise ConfigError(self.key, f"tensor {scale_name} is {list(scales)}, but {name} "
+                        f"{list(shape)} in blocks of quantization_config.weight_block_size="
+                        f"{list(self.block or [])} has {list(grid or [1])} scales")
+    return scale_name
+
+  def _dequantized(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor[index]; a float8 matrix times its block scales, in float32."""
+    shape, dtype = self._info(name)
+    if dtype not in float8.RAW_DTYPES:
+      with self._open(self.files[name]) as f:
+        return f.get_slice(name)[index]
+    values = self._raw(name, index)
+    if dtype not in float8.QUANTIZED:
+      return values
+    scales = float8.scale_values(self._dequantized(self.check_scales(name), ()))
+    return float8.dequantize(values, scales, self.block, shape, index)
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
     """tensor[index], read in runs of rows of at most READ_BYTES of the file,
     each through its own memory map."""
-    with self._open(self.files[name]) as f:
-      tensor = f.get_slice(name)
-      shape, dtype = tensor.get_shape(), tensor.get_dtype()
-      if len(shape) == 1:
-        return tensor[index]
+    shape, dtype = self._info(name)
+    if len(shape) == 1:
+      return self._dequantized(name, index)
     first, stop, _ = index[0].indices(shape[0])
     row_bytes = math.prod(shape[1:]) * _ITEMSIZE.get(dtype, 4)
     step = max(1, READ_BYTES // row_bytes)
     out = None
     for start in range(first, stop, step):
-      with self._open(self.files[name]) as f:
-        rows = f.get_slice(name)[(slice(start, min(start + step, stop)), *index[1:])]
+      rows = self._dequantized(name, (slice(start, min(start + step, stop)), *index[1:]))
       if out is None:
         out = np.empty((stop - first, *rows.shape[1:]), rows.dtype)
       out[start - first:start - first + len(rows)] = rows
@@ -102,7 +154,8 @@ def _mapping(tensors: SafetensorsDir, hf: dict) -> dict:
 
 
 def _check_shapes(tensors: SafetensorsDir, weights: dict, abstract_params) -> None:
-  """Every tensor meshtrain needs is there with the shape config.json implies."""
+  """Every tensor meshtrain needs is there with the shape config.json implies
+  (a float8 one with its scales)."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
     weight = weights[path_string(path)]
     expected = weight.hf_shape(leaf.shape[weight.stacked_dims:])
@@ -110,6 +163,7 @@ def _check_shapes(tensors: SafetensorsDir, weights: dict, abstract_params) -> No
       if tensors.shape(name) != expected:
         raise ConfigError(tensors.key, f"tensor {name} is {list(tensors.shape(name))} in "
                           f"{tensors.directory} but its config.json implies {list(expected)}")
+      tensors.check_scales(name)
 
 
 def _block(tensors: SafetensorsDir, weight, shape, index, dtype) -> np.ndarray:
@@ -144,17 +198,18 @@ def _place(tensors: SafetensorsDir, weight, abstract, sharding) -> jax.Array:
 def load_params(directory, abstract_params, shardings, *, key: str):
   """The weights of the Hugging Face model in `directory` as meshtrain's
   parameters (`abstract_params` tree), laid out by `shardings`."""
-  tensors = SafetensorsDir(directory, key=key)
-  return _load(tensors, _mapping(tensors, hf_config.read(directory, key=key)), abstract_params,
-               shardings)
+  hf = hf_config.read(directory, key=key)
+  tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
+  return _load(tensors, _mapping(tensors, hf), abstract_params, shardings)
 
 
 def load_model_state(directory, abstract_state, shardings, *, key: str):
   """The model state the Hugging Face model in `directory` keeps (DeepSeek-V3's
   router selection biases), laid out by `shardings`; None where its family
   keeps none (the state then starts at zero)."""
-  tensors = SafetensorsDir(directory, key=key)
-  weights = _mapping(tensors, hf_config.read(directory, key=key))
+  hf = hf_config.read(directory, key=key)
+  tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
+  weights = _mapping(tensors, hf)
   paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
   if not paths or any(path not in weights for path in paths):
     return None

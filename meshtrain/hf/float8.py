@@ -1,0 +1,83 @@
+"""Fine-grained float8 checkpoints (`quantization_config.quant_method` "fp8",
+transformers' `FineGrainedFP8Config`): DeepSeek-V3's and the Qwen3 "-FP8"
+models as published.
+
+Each quantized matrix `W` [rows, cols] is stored as float8 values `Q` (e4m3 or
+e5m2) and a float32 grid `W_scale_inv` [ceil(rows / b0), ceil(cols / b1)], one
+scale per block of `weight_block_size` [b0, b1] (the last blocks of a row or
+column may be partial, as DeepSeek-V3's 576-row `kv_a_proj_with_mqa` has):
+`W = Q * W_scale_inv[i // b0, j // b1]`, as DeepSeek's `weight_dequant` and
+transformers' `Fp8Dequantize` compute it. Without a block size the scale is
+one number per matrix. A leading dimension (experts fused in one tensor)
+indexes the grid as it does the values. Scales come as floats or as UE8M0
+exponents (`2 ** (e - 127)`, the "ue8m0" `scale_fmt`). meshtrain imports the
+values in float32; the run's own `param_dtype` applies after.
+"""
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+SCALE_SUFFIX = "_scale_inv"  # q_proj.weight -> q_proj.weight_scale_inv
+# safetensors dtypes its numpy reader lacks, read as raw bytes
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+              "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+QUANTIZED = ("F8_E4M3", "F8_E5M2")  # the values of a quantized matrix
+UE8M0_BIAS = 127  # a byte `e` of a UE8M0 scale stands for 2 ** (e - 127)
+
+
+def unsupported(quantization: object) -> list[str]:
+  """What of a config.json's `quantization_config` meshtrain does not read, as
+  `key=value` strings (empty when its float8 blocks import)."""
+  if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+    return [f"quantization_config (quant_method={method!r}; meshtrain reads float32, bfloat16 "
+            "and float16 weights and fine-grained float8 ('fp8'): convert the others first)"]
+  bad = []
+  block = quantization.get("weight_block_size")
+  if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+      isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    bad.append(f"quantization_config.weight_block_size={block!r} (two positive integers, or "
+               "null for one scale per matrix)")
+  if quantization.get("expert_dtype", "fp8") != "fp8":
+    bad.append(f"quantization_config.expert_dtype={quantization['expert_dtype']!r} (packed "
+               "float4 experts)")
+  if quantization.get("scale_fmt", "float") not in ("float", "ue8m0"):
+    bad.append(f"quantization_config.scale_fmt={quantization['scale_fmt']!r}")
+  return bad
+
+
+def block_size(hf: dict) -> tuple[int, int] | None:
+  """The [rows, cols] of one scale's block in the checkpoint `hf` describes;
+  None where each matrix has one scale (or none is quantized)."""
+  quantization = hf.get("quantization_config") or {}
+  block = quantization.get("weight_block_size")
+  return tuple(block) if block else None
+
+
+def scale_values(scales: np.ndarray) -> np.ndarray:
+  """Stored scales as float32 multipliers (UE8M0 bytes become powers of two)."""
+  if scales.dtype == np.uint8:
+    return np.exp2(scales.astype(np.float32) - UE8M0_BIAS)
+  return scales.astype(np.float32)
+
+
+def grid_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...] | None:
+  """The scale grid a quantized tensor of `shape` has; None: one scale (a
+  vector's, or every tensor's without a block size)."""
+  if block is None or len(shape) < 2:
+    return None
+  return (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def dequantize(values: np.ndarray, scales: np.ndarray, block: tuple[int, int] | None,
+               shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """`W[index]` in float32, from `values` (= Q[index]) and the whole float32
+  scale grid of the tensor of `shape`."""
+  if grid_shape(shape, block) is None:
+    return values.astype(np.float32) * scales.reshape(())
+  index = (*index, *[slice(None)] * (len(shape) - len(index)))
+  rows, cols = (np.arange(*i.indices(n)) for i, n in zip(index[-2:], shape[-2:]))
+  per_value = scales[index[:-2]][..., rows // block[0], :][..., cols // block[1]]
+  return values.astype(np.float32) * per_value

@@ -1,0 +1,193 @@
+"""Fine-grained float8 checkpoints (DeepSeek-V3's and the Qwen3 "-FP8" models'
+`quantization_config`) import as the weights they stand for: logits equal
+transformers' own dequantization of the same files, blocks cut at a matrix's
+edge and at a shard's equal torch's block arithmetic, the export is a plain
+float checkpoint transformers loads, and what is not fine-grained float8 is
+refused before anything is written."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from conftest import micro_config, tiered
+from test_hf import hf_logits, meshtrain_logits, tokens
+from test_hf_families import assert_logits_close, imported, imported_weights, save_hf_model
+from meshtrain import workdir as saved_run
+from meshtrain.errors import ConfigError
+from meshtrain.hf import float8, load
+from meshtrain.hf.exporter import export_hf
+from meshtrain.train.resume import import_hf
+from meshtrain.train.setup import build
+
+E4M3_MAX = 448.0
+
+
+def _quantized(name: str) -> bool:
+  """The tensors DeepSeek-V3's checkpoint stores in float8: every projection's
+  matrix, not the embeddings, the output head, norms or routers."""
+  return "_proj" in name and name.endswith(".weight")
+
+
+def block_scales(weight: torch.Tensor, block) -> torch.Tensor:
+  """Each block's scale by torch: the grid's value times every element of its block."""
+  return weight.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+
+
+def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, ue8m0=False):
+  """`source`'s model as a fine-grained float8 checkpoint in `out`, written
+  with torch. Returns each quantized tensor's float32 value after the round
+  trip (torch's dequantization, the reference)."""
+  tensors = safetensors.torch.load_file(source / "model.safetensors")
+  stored, expected = {}, {}
+  for name, weight in tensors.items():
+    if not _quantized(name):
+      stored[name] = weight
+      continue
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:rows, :cols] = weight
+    amax = padded.reshape(grid[0], block[0], grid[1], block[1]).abs().amax((1, 3))
+    scale = amax / E4M3_MAX
+    if ue8m0:  # the next power of two, as UE8M0 stores it
+      scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    per_element = block_scales(scale, block)[:rows, :cols]
+    stored[name] = (weight / per_element).to(values)
+    stored[name + "_scale_inv"] = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+    expected[name] = stored[name].float() * per_element
+  out.mkdir()
+  safetensors.torch.save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+  hf = json.loads((source / "config.json").read_text())
+  hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                               "dynamic", "weight_block_size": list(block),
+                               "scale_fmt": "ue8m0" if ue8m0 else "float"}
+  (out / "config.json").write_text(json.dumps(hf))
+  for other in source.glob("tokenizer*"):
+    (out / other.name).write_bytes(other.read_bytes())
+  return expected
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
+def float8_model(request, tmp_path_factory):
+  """(family, float8 directory, transformers' model loaded from it: on a
+  machine without a GPU transformers dequantizes it, here to float32)."""
+  directory = tmp_path_factory.mktemp(request.param)
+  save_hf_model(directory / "float", request.param)
+  quantize(directory / "float", directory / "fp8")
+  model = transformers.AutoModelForCausalLM.from_pretrained(directory / "fp8",
+                                                            dtype=torch.float32).eval()
+  return request.param, directory / "fp8", model
+
+
+@pytest.mark.parametrize("mesh", tiered(["one device", "fsdp=4 tensor=2"], ("fsdp=4 tensor=2",)))
+def test_float8_import_computes_transformers_dequantized_logits(float8_model, mesh):
+  _, directory, model = float8_model
+  sharded = mesh != "one device"
+  cfg = imported(directory, **({"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
+                               if sharded else {}))
+  setup = build(cfg, jax.devices() if sharded else jax.devices()[:1])
+  params, state = imported_weights(directory, setup)
+  x = tokens()
+  assert_logits_close(meshtrain_logits(cfg, params, x, setup, state), hf_logits(model, x))
+
+
+@pytest.mark.parametrize("block, values, ue8m0", [
+    ((8, 16), torch.float8_e4m3fn, False),  # blocks the matrices' sizes do not divide
+    ((16, 8), torch.float8_e5m2, True),  # UE8M0 scales (power-of-two bytes), e5m2 values
+    (None, torch.float8_e4m3fn, False)])  # one scale per matrix
+def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, values, ue8m0):
+  """Every imported weight equals torch's `Q * scale` to the bit, on a mesh
+  whose shards, and runs of rows read at once, cut blocks in the middle;
+  `transformers` refuses blocks that do not divide a matrix, so torch's
+  arithmetic is the reference here."""
+  monkeypatch.setattr(load, "READ_BYTES", 40)  # 1 to 3 rows a read
+  save_hf_model(tmp_path / "float", "deepseek_v3")
+  grid_block = block or (128, 128)  # one block covering each of the test model's matrices
+  expected = quantize(tmp_path / "float", tmp_path / "fp8", grid_block, values, ue8m0)
+  if block is None:  # one scale per matrix: written as a [1] vector, config says null
+    hf = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    hf["quantization_config"]["weight_block_size"] = None
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(hf))
+    tensors = safetensors.torch.load_file(tmp_path / "fp8" / "model.safetensors")
+    safetensors.torch.save_file({name: t.reshape(1) if name.endswith("_scale_inv") else t
+                                 for name, t in tensors.items()},
+                                tmp_path / "fp8" / "model.safetensors")
+  reference = safetensors.torch.load_file(tmp_path / "float" / "model.safetensors")
+  (tmp_path / "reference").mkdir()
+  safetensors.torch.save_file({**reference, **expected},
+                              tmp_path / "reference" / "model.safetensors")
+  (tmp_path / "reference" / "config.json").write_bytes(
+      (tmp_path / "float" / "config.json").read_bytes())
+  cfg = imported(tmp_path / "float", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
+  setup = build(cfg)
+  got, want = (jax.device_get(load.load_params(tmp_path / d, setup.spec.abstract_params,
+                                          setup.shardings.params, key="--from"))
+               for d in ("fp8", "reference"))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), got, jax.device_get(
+      load.load_params(tmp_path / "float", setup.spec.abstract_params, setup.shardings.params,
+                  key="--from")))
+  assert max(jax.tree.leaves(moved)) > 0  # the float8 rounding is there: the test sees it
+
+
+def test_fused_expert_scales_index_by_expert():
+  """A leading dimension (transformers v5 fuses the experts into one tensor)
+  indexes the scale grid as it does the values; the block edge is partial."""
+  rng = np.random.default_rng(0)
+  values = rng.normal(size=(3, 10, 12)).astype(np.float32)
+  scales = rng.uniform(0.5, 2, size=(3, 3, 2)).astype(np.float32)
+  whole = torch.as_tensor(values) * torch.stack(
+      [block_scales(torch.as_tensor(s), (4, 8))[:10, :12] for s in scales])
+  index = (slice(1, 3), slice(3, 9), slice(5, 12))
+  np.testing.assert_array_equal(
+      float8.dequantize(values[index], scales, (4, 8), values.shape, index),
+      whole.numpy()[index])
+
+
+def test_the_export_of_a_float8_import_is_a_float_checkpoint(tmp_path):
+  save_hf_model(tmp_path / "float", "deepseek_v3")
+  quantize(tmp_path / "float", tmp_path / "fp8")
+  workdir = import_hf(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4}), tmp_path / "fp8",
+                      tmp_path / "imported")
+  cfg = saved_run.load_config(workdir, {})
+  setup = build(cfg)
+  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
+                                     setup.shardings.model_state)
+  export_hf(cfg, params, workdir, tmp_path / "exported", model_state=state)
+  assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json")
+                                                 .read_text())
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+  dequantized = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "fp8", dtype=torch.float32).eval()
+  x = tokens()
+  assert_logits_close(hf_logits(reloaded, x), hf_logits(dequantized, x))
+
+
+def _rewrite(directory, edit):
+  tensors = safetensors.torch.load_file(directory / "model.safetensors")
+  edit(tensors)
+  safetensors.torch.save_file(tensors, directory / "model.safetensors")
+
+
+SCALE = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop(SCALE), "q_a_proj.weight is float8 but .* has no .*weight_scale_inv; "
+                             "download every shard"),
+    (lambda t: t.update({SCALE: t[SCALE][:1]}), r"weight_scale_inv is \[1, 8\], but .*"
+                                                r"weight_block_size=\[4, 4\] has \[6, 8\]")])
+def test_a_float8_weight_without_its_scales_is_refused_before_writing(tmp_path, edit, message):
+  save_hf_model(tmp_path / "float", "deepseek_v3")
+  quantize(tmp_path / "float", tmp_path / "fp8")
+  _rewrite(tmp_path / "fp8", edit)
+  with pytest.raises(ConfigError, match=message) as error:
+    import_hf(micro_config(), tmp_path / "fp8", tmp_path / "imported")
+  assert error.value.key == "--from"
+  assert not (tmp_path / "imported").exists()
