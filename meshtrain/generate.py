@@ -5,7 +5,11 @@ Prompts of different lengths share a batch right-aligned: row b starts with
 its first real token, so each row decodes as it would alone. The cache holds
 every layer's keys and values for all `prompt + max_tokens` slots; the decode
 step writes one slot and attends over the cache, so a new token costs one
-token's forward pass, not the prefix's.
+token's forward pass, not the prefix's. Under Multi-head Latent Attention the
+cache holds each token's latent and shared rotated key instead (576 numbers a
+token and layer for DeepSeek-V3, against 2 x 128 heads x 192 expanded), and
+attention runs with the up-projections absorbed
+(`LatentAttention.absorbed_attention`).
 
 The layers run the model's own modules (norms, q/k/v projection, RoPE, MLP,
 head); only attention differs from `Llama.__call__`: it reads the cache.
@@ -26,12 +30,12 @@ from meshtrain import rules as r
 from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
-from meshtrain.models import mla
-from meshtrain.models.llama import Llama
+from meshtrain.models.llama import LatentAttention, Llama
 from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import Setup
 
 CACHE_NAMES = (r.LAYERS, r.BATCH, None, r.ACT_KV_HEADS, r.HEAD_DIM)  # [layer, B, T, K, H]
+LATENT_CACHE_NAMES = (r.LAYERS, r.BATCH, None, None)  # [layer, B, T, latent or rotated key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +78,8 @@ def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.A
   """Logits of `tokens` written into cache slots [start, start + S), attending
   to slots from each row's first real one (`first_B`) up to their own (of
   them the last `sliding_window`, where the model has one).
-  The cache holds every layer's keys and values, an MoE model's leading
-  dense layers first. Returns (float32 logits [B, S, V], updated cache)."""
+  The cache holds every layer's keys and values (MLA: latents and rotated
+  keys), an MoE model's leading dense layers first. Returns (float32 logits [B, S, V], updated cache)."""
   cfg, (length, slots) = model.cfg, (tokens_BxS.shape[1], cache[0].shape[2])
   slot_S = start + jnp.arange(length)
   visible_BxSxT = ((jnp.arange(slots)[None, None, :] <= slot_S[None, :, None])
@@ -99,19 +103,49 @@ def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.A
 
 def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.Array,
                   visible_BxSxT: jax.Array, x_BxSxD: jax.Array, inputs):
-  """One block on S new tokens, its keys and values written into its cache slice."""
-  state, k_BxTxKxH, v_BxTxKxH = inputs
+  """One block on S new tokens, what it caches written into its cache slice."""
+  state, *cache = inputs
   block = nnx.merge(graphdef, state)
-  q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = block.attn.qkv(block.attn_norm(x_BxSxD), positions_BxS)
-  k_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(k_BxTxKxH, k_BxSxKxH.astype(k_BxTxKxH.dtype),
-                                                  start, axis=1)
-  v_BxTxKxH = jax.lax.dynamic_update_slice_in_dim(v_BxTxKxH, v_BxSxKxH.astype(v_BxTxKxH.dtype),
-                                                  start, axis=1)
-  out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH,
-                                             mask=visible_BxSxT[:, None])
+  attend = _latent_attention if isinstance(block.attn, LatentAttention) else _attention
+  out_BxSxNxH, cache = attend(block.attn, block.attn_norm(x_BxSxD), positions_BxS, cache, start,
+                              visible_BxSxT)
   x_BxSxD = x_BxSxD + block.attn.project_out(out_BxSxNxH.astype(x_BxSxD.dtype))
   x_BxSxD = x_BxSxD + block.mlp(block.mlp_norm(x_BxSxD))
-  return x_BxSxD, (k_BxTxKxH, v_BxTxKxH)
+  return x_BxSxD, cache
+
+
+def _written(cache_BxTx: tuple[jax.Array, ...], new_BxSx: tuple[jax.Array, ...],
+             start: jax.Array) -> tuple[jax.Array, ...]:
+  return tuple(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, axis=1)
+               for c, n in zip(cache_BxTx, new_BxSx))
+
+
+def _attention(attn, x_BxSxD, positions_BxS, cache, start, visible_BxSxT):
+  """Attention over cached keys and values [B, T, K, H]."""
+  q_BxSxNxH, *kv = attn.qkv(x_BxSxD, positions_BxS)
+  k_BxTxKxH, v_BxTxKxH = _written(cache, kv, start)
+  out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH,
+                                             mask=visible_BxSxT[:, None])
+  return out_BxSxNxH, (k_BxTxKxH, v_BxTxKxH)
+
+
+def _latent_attention(attn: LatentAttention, x_BxSxD, positions_BxS, cache, start,
+                      visible_BxSxT):
+  """MLA over cached latents [B, T, kv_lora_rank] and rotated keys [B, T, rope_head_dim]."""
+  c_BxTxC, k_rope_BxTxR = _written(cache, attn.latent(x_BxSxD, positions_BxS), start)
+  out_BxSxNxV = attn.absorbed_attention(attn.query(x_BxSxD, positions_BxS), c_BxTxC,
+                                        k_rope_BxTxR, visible_BxSxT)
+  return out_BxSxNxV, (c_BxTxC, k_rope_BxTxR)
+
+
+def cache_shapes(cfg, rows: int, slots: int) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+  """The shapes of the two cache arrays of a model (`LlamaConfig`) and their
+  logical names: keys and values [layers, B, T, K, H], or MLA's latents and
+  rotated keys [layers, B, T, width]."""
+  lead = (cfg.num_layers, rows, slots)
+  if cfg.mla.kv_lora_rank:
+    return ((*lead, cfg.mla.kv_lora_rank), (*lead, cfg.mla.rope_head_dim)), LATENT_CACHE_NAMES
+  return ((*lead, cfg.num_kv_heads, cfg.head_dim),) * 2, CACHE_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +209,9 @@ class Generator:
     graphdef = self.graphdef
 
     def fresh_cache(model):
-      cfg = model.cfg
-      shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, mla.widths(cfg)[2])
-      zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
-      return r.constrain(zeros, CACHE_NAMES), r.constrain(zeros, CACHE_NAMES)
+      shapes, names = cache_shapes(model.cfg, rows, slots)
+      return tuple(r.constrain(jnp.zeros(shape, jnp.dtype(model.cfg.compute_dtype)), names)
+                   for shape in shapes)
 
     def prefill(weights, tokens_BxP, first_B, key):
       model = nnx.merge(graphdef, *weights)

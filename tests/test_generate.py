@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from meshtrain.train.resume import import_hf
 from meshtrain.hf.load import load_params
 from meshtrain.train.setup import build
 from test_hf import CASES, save_hf_llama
+from test_mla import MLA
 
 PROMPTS = [[5, 9, 2, 33, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 11, 0]]  # lengths differ
 GREEDY = generate.Sampling(temperature=0.0)
@@ -45,12 +47,14 @@ def recomputed_greedy(graphdef, weights, prompts, new_tokens):
 
 MOE = {"model.moe.num_experts": 4, "model.moe.experts_per_token": 2,
        "model.moe.first_dense_layers": 1}
+SHARDED = {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
 
 
 @pytest.mark.parametrize("changes", [
-    dict(), {"mesh.data": 4, "mesh.tensor": 2}, MOE,
-    {**MOE, "mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}],
-    ids=["one_device", "data4_tensor2", "moe_one_device", "moe_experts_over_fsdp4_tensor2"])
+    dict(), {"mesh.data": 4, "mesh.tensor": 2}, MOE, {**MOE, **SHARDED}, MLA,
+    {**MLA, **MOE, **SHARDED}],
+    ids=["one_device", "data4_tensor2", "moe_one_device", "moe_experts_over_fsdp4_tensor2",
+         "latent_attention_one_device", "latent_attention_moe_fsdp4_tensor2"])
 def test_cached_greedy_equals_recomputing_the_prefix(changes, caplog):
   cfg = micro_config(**changes)
   setup = build(cfg, jax.devices() if "mesh.tensor" in changes else jax.devices()[:1])
@@ -65,6 +69,44 @@ def test_cached_greedy_equals_recomputing_the_prefix(changes, caplog):
   assert compiled.count("jit(prefill)") == compiled.count("jit(decode)") == 1  # 9 decode steps
   assert got == recomputed_greedy(setup.spec.graphdef, generator.weights, PROMPTS, 10)
   assert len({tuple(tokens) for tokens in got}) == 3  # not a degenerate model
+
+
+YARN = {"model.rope_scaling_type": "yarn", "model.rope_scaling_factor": 4.0,
+        "model.rope_original_max_positions": 8, "model.rope_mscale": 1.0,
+        "model.rope_mscale_all_dim": 0.7}
+
+
+@pytest.mark.parametrize("changes", [MLA, {**MLA, **YARN, "model.mla.q_lora_rank": 0,
+                                           "model.mla.v_head_dim": 16, **SHARDED}],
+                         ids=["one_device", "yarn_no_query_latent_wide_values_fsdp4_tensor2"])
+def test_the_latent_cache_gives_the_forward_logits(changes):
+  """MLA caches each token's latent and rotated key (kv_lora_rank +
+  rope_head_dim numbers a layer), and its absorbed attention gives the logits
+  of the whole sequence through `Llama.__call__`, prefill and each decode step."""
+  cfg = micro_config(**changes)
+  setup = build(cfg, jax.devices() if "mesh.tensor" in changes else jax.devices()[:1])
+  params = setup.init_state().params
+  x_BxL = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 12), dtype=np.int32)
+  prompt = 7
+  with jax.set_mesh(setup.mesh), nnx.logical_axis_rules(setup.rules.params):
+    model = nnx.merge(setup.spec.graphdef, params)
+    expected = np.asarray(jax.jit(lambda t: model(t))(x_BxL))
+    shapes, _ = generate.cache_shapes(model.cfg, 2, 12)
+    cache = tuple(jnp.zeros(shape) for shape in shapes)
+    first_B = jnp.zeros(2, jnp.int32)
+    step = jax.jit(lambda t, pos, c, start: generate.forward_with_cache(model, t, pos, c, start,
+                                                                        first_B))
+    logits, cache = step(x_BxL[:, :prompt], np.arange(prompt)[None].repeat(2, 0), cache,
+                         jnp.int32(0))
+    got = [np.asarray(logits)]
+    for slot in range(prompt, 12):
+      logits, cache = step(x_BxL[:, slot:slot + 1], np.full((2, 1), slot), cache, jnp.int32(slot))
+      got.append(np.asarray(logits))
+  m = cfg.model.mla
+  assert [c.shape for c in cache] == [(cfg.model.num_layers, 2, 12, m.kv_lora_rank),
+                                      (cfg.model.num_layers, 2, 12, m.rope_head_dim)]
+  np.testing.assert_allclose(np.concatenate(got, axis=1), expected, rtol=1e-5,
+                             atol=1e-5 * np.abs(expected).max())
 
 
 def test_greedy_equals_transformers_generate_on_an_imported_model(tmp_path):

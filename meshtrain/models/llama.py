@@ -22,6 +22,7 @@ on whatever layout the rules give.
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -205,6 +206,15 @@ class Attention(nnx.Module):
     return checkpoint_name(self.project_out(out_BxLxNxH), ATTN_OUT)
 
 
+def _latent_matmul(equation: str, x_BxLxD: jax.Array, w_DxR: jax.Array) -> jax.Array:
+  """An MLA down-projection to a latent [B, L, R], its weight whole in the
+  matmul (gathered again in the backward, as every weight is): left to the
+  partitioner, its model width was moved onto `tensor` by collective-permutes,
+  which deadlocked inside a pipeline stage's branch (jax 0.10.2, fsdp x tensor)."""
+  return r.constrain(weight_matmul(equation, x_BxLxD, w_DxR, fuse=lambda w: r.constrain(
+      w, (r.ACT_EMBED, None))), (r.BATCH, r.LENGTH, None))
+
+
 class LatentAttention(Attention):
   """Multi-head Latent Attention (`mla.py`): q from a normalised query latent
   (or x), k's and v's per-head parts from a normalised key-value latent, one
@@ -231,41 +241,71 @@ class LatentAttention(Attention):
                               (r.LATENT, r.HEADS, r.HEAD_DIM), m.kv_lora_rank)
     self.wo_NxHxD = param(rngs, (n, v, d), (r.HEADS, r.HEAD_DIM, r.EMBED), n * v)
 
-  def qkv(self, x_BxLxD: jax.Array,
-          positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _rotate(self, x_BxLxNxR: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    return mla.rotary(x_BxLxNxR, positions_BxL, cfg.rope_theta, cfg.rope_scaling,
+                      cfg.mla.rope_interleave)
+
+  def query(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+    """q [B, L, N, qk]: each head's [nope | rope] parts, the rope part rotated."""
     cfg, m = self.cfg, self.cfg.mla
-    qk, _, width = mla.widths(cfg)
-    latent = (r.BATCH, r.LENGTH, None)
-
-    def down(equation: str, w_DxR: jax.Array) -> jax.Array:
-      """A down-projection, its weight whole in the matmul (gathered again in
-      the backward, as every weight is): left to the partitioner, its model
-      width was moved onto `tensor` by collective-permutes, which deadlocked
-      inside a pipeline stage's branch (jax 0.10.2, fsdp x tensor)."""
-      return r.constrain(weight_matmul(equation, x_BxLxD, w_DxR, fuse=lambda w: r.constrain(
-          w, (r.ACT_EMBED, None))), latent)
-
     if m.q_lora_rank:
-      q_BxLxR = down("bld,dr->blr", self.wq_down_DxR[...])
+      q_BxLxR = _latent_matmul("bld,dr->blr", x_BxLxD, self.wq_down_DxR[...])
       q_BxLxR = self.q_latent_norm(checkpoint_name(q_BxLxR, QKV))
       q_BxLxNxH = weight_matmul("blr,rnh->blnh", q_BxLxR, self.wq_up_RxNxH[...])
     else:
       q_BxLxNxH = weight_matmul("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...])
-    kv_BxLxC = checkpoint_name(down("bld,dc->blc", self.wkv_down_DxC[...]), QKV)
-    kv_BxLxNxH = checkpoint_name(weight_matmul(
-        "blc,cnh->blnh", self.kv_latent_norm(kv_BxLxC[..., :m.kv_lora_rank]),
-        self.wkv_up_CxNxH[...]), QKV)
-    rotate = functools.partial(mla.rotary, positions_BxL=positions_BxL, theta=cfg.rope_theta,
-                               scaling=cfg.rope_scaling, interleave=m.rope_interleave)
     q_BxLxNxH = checkpoint_name(q_BxLxNxH, QKV)
-    q_BxLxNxH = jnp.concatenate([q_BxLxNxH[..., :cfg.head_dim],
-                                 rotate(q_BxLxNxH[..., cfg.head_dim:])], axis=-1)
-    k_rope_BxLx1xR = rotate(kv_BxLxC[..., None, m.kv_lora_rank:])
+    return jnp.concatenate([q_BxLxNxH[..., :cfg.head_dim],
+                            self._rotate(q_BxLxNxH[..., cfg.head_dim:], positions_BxL)], axis=-1)
+
+  def latent(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What a token keeps for every head's key and value: the normalised
+    key-value latent [B, L, kv_lora_rank] and the rotated shared key part
+    [B, L, rope_head_dim]."""
+    m = self.cfg.mla
+    kv_BxLxC = checkpoint_name(_latent_matmul("bld,dc->blc", x_BxLxD, self.wkv_down_DxC[...]),
+                               QKV)
+    k_rope_BxLx1xR = self._rotate(kv_BxLxC[..., None, m.kv_lora_rank:], positions_BxL)
+    return self.kv_latent_norm(kv_BxLxC[..., :m.kv_lora_rank]), k_rope_BxLx1xR[..., 0, :]
+
+  def qkv(self, x_BxLxD: jax.Array,
+          positions_BxL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    cfg = self.cfg
+    qk, _, width = mla.widths(cfg)
+    q_BxLxNxH = self.query(x_BxLxD, positions_BxL)
+    c_BxLxC, k_rope_BxLxR = self.latent(x_BxLxD, positions_BxL)
+    kv_BxLxNxH = checkpoint_name(weight_matmul("blc,cnh->blnh", c_BxLxC, self.wkv_up_CxNxH[...]),
+                                 QKV)
     k_BxLxNxH = jnp.concatenate([kv_BxLxNxH[..., :cfg.head_dim], jnp.broadcast_to(
-        k_rope_BxLx1xR, (*kv_BxLxNxH.shape[:3], m.rope_head_dim))], axis=-1)
+        k_rope_BxLxR[:, :, None], (*kv_BxLxNxH.shape[:3], k_rope_BxLxR.shape[-1]))], axis=-1)
     scale = mla.query_scale(qk, width, cfg.rope_scaling)
     return (mla.pad_to(q_BxLxNxH * jnp.asarray(scale, q_BxLxNxH.dtype), width),
             mla.pad_to(k_BxLxNxH, width), mla.pad_to(kv_BxLxNxH[..., cfg.head_dim:], width))
+
+  def absorbed_attention(self, q_BxSxNxH: jax.Array, c_BxTxC: jax.Array,
+                         k_rope_BxTxR: jax.Array, visible_BxSxT: jax.Array) -> jax.Array:
+    """Attention of `query`'s q over T tokens' `latent`s, the key and value
+    up-projections absorbed into the query and the output (DeepSeek's
+    inference form): the values of expanding the latents to keys and values,
+    without holding them. Returns [B, S, N, v_head_dim]."""
+    cfg = self.cfg
+    qk = mla.widths(cfg)[0]
+    w_CxNxH = self.wkv_up_CxNxH[...]
+    q_BxSxNxC = weight_matmul("bsnh,cnh->bsnc", q_BxSxNxH[..., :cfg.head_dim],
+                              w_CxNxH[..., :cfg.head_dim])
+    scores_BxNxSxT = (
+        jnp.einsum("bsnc,btc->bnst", q_BxSxNxC, c_BxTxC, preferred_element_type=jnp.float32)
+        + jnp.einsum("bsnr,btr->bnst", q_BxSxNxH[..., cfg.head_dim:], k_rope_BxTxR,
+                     preferred_element_type=jnp.float32)
+    ) * (mla.query_scale(qk, qk, cfg.rope_scaling) / math.sqrt(qk))
+    # A finite floor: a padding row sees no slot, and its uniform weights must
+    # not meet a NaN from a slot no real row reads.
+    scores_BxNxSxT = jnp.where(visible_BxSxT[:, None], scores_BxNxSxT,
+                               jnp.finfo(jnp.float32).min)
+    probs_BxNxSxT = jax.nn.softmax(scores_BxNxSxT, axis=-1).astype(c_BxTxC.dtype)
+    out_BxSxNxC = jnp.einsum("bnst,btc->bsnc", probs_BxNxSxT, c_BxTxC)
+    return weight_matmul("bsnc,cnh->bsnh", out_BxSxNxC, w_CxNxH[..., cfg.head_dim:])
 
   def project_out(self, out_BxLxNxH: jax.Array) -> jax.Array:
     v = self.cfg.mla.v_head_dim

@@ -11,10 +11,12 @@ a value head `v_head_dim`; the scores are scaled by 1/sqrt(qk), times
 DeepSeek's YaRN mscale_all_dim term squared.
 
 Everything after the projections is meshtrain's attention unchanged (causal,
-packed, sliding, each sequence strategy, the generation cache): where qk and
+packed, sliding, each sequence strategy): where qk and
 v differ, the narrower side is zero-padded to the wider (zero dimensions
 change no score and no output), q is scaled so that the kernel's 1/sqrt(width)
-gives MLA's scale, and the output is cut back to `v_head_dim`.
+gives MLA's scale, and the output is cut back to `v_head_dim`. Generation
+caches the latents instead and absorbs the up-projections
+(`LatentAttention.absorbed_attention`).
 """
 
 import dataclasses
