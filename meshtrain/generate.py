@@ -79,7 +79,8 @@ def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.A
   to slots from each row's first real one (`first_B`) up to their own (of
   them the last `sliding_window`, where the model has one).
   The cache holds every layer's keys and values (MLA: latents and rotated
-  keys), an MoE model's leading dense layers first. Returns (float32 logits [B, S, V], updated cache)."""
+  keys), an MoE model's leading dense layers first. Returns (float32 logits
+  [B, S, V], updated cache)."""
   cfg, (length, slots) = model.cfg, (tokens_BxS.shape[1], cache[0].shape[2])
   slot_S = start + jnp.arange(length)
   visible_BxSxT = ((jnp.arange(slots)[None, None, :] <= slot_S[None, :, None])
