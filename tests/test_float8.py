@@ -15,8 +15,9 @@ import torch
 import transformers
 
 from conftest import micro_config, tiered
-from test_hf import hf_logits, meshtrain_logits, tokens
-from test_hf_families import assert_logits_close, imported, imported_weights, save_hf_model
+from test_hf import hf_logits, tokens
+from test_hf_families import (assert_import_computes_logits, assert_logits_close, imported,
+                              save_hf_model)
 from meshtrain import workdir as saved_run
 from meshtrain.errors import ConfigError
 from meshtrain.hf import float8, load
@@ -87,13 +88,7 @@ def float8_model(request, tmp_path_factory):
 @pytest.mark.parametrize("mesh", tiered(["one device", "fsdp=4 tensor=2"], ("fsdp=4 tensor=2",)))
 def test_float8_import_computes_transformers_dequantized_logits(float8_model, mesh):
   _, directory, model = float8_model
-  sharded = mesh != "one device"
-  cfg = imported(directory, **({"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
-                               if sharded else {}))
-  setup = build(cfg, jax.devices() if sharded else jax.devices()[:1])
-  params, state = imported_weights(directory, setup)
-  x = tokens()
-  assert_logits_close(meshtrain_logits(cfg, params, x, setup, state), hf_logits(model, x))
+  assert_import_computes_logits(directory, model, mesh)
 
 
 @pytest.mark.parametrize("block, values, ue8m0", [

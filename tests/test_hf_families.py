@@ -112,9 +112,9 @@ def assert_logits_close(got, expected):
   assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
 
 
-@pytest.mark.parametrize("mesh", tiered(["one device", "fsdp=4 tensor=2"], ("one device",)))
-def test_imported_family_computes_transformers_logits(family_model, mesh):
-  family, directory, model = family_model
+def assert_import_computes_logits(directory, model, mesh: str):
+  """The model in `directory`, imported on `mesh` ("one device" or "fsdp=4
+  tensor=2"), computes the logits of transformers' `model`."""
   sharded = mesh != "one device"
   cfg = imported(directory, **({"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
                                if sharded else {}))
@@ -122,6 +122,12 @@ def test_imported_family_computes_transformers_logits(family_model, mesh):
   params, state = imported_weights(directory, setup)
   x = tokens()
   assert_logits_close(meshtrain_logits(cfg, params, x, setup, state), hf_logits(model, x))
+
+
+@pytest.mark.parametrize("mesh", tiered(["one device", "fsdp=4 tensor=2"], ("one device",)))
+def test_imported_family_computes_transformers_logits(family_model, mesh):
+  _, directory, model = family_model
+  assert_import_computes_logits(directory, model, mesh)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather_kv", "ulysses"])
