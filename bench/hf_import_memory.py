@@ -3,7 +3,9 @@
   python bench/hf_import_memory.py [--dir /tmp/llama1b_hf]
 
 Writes a random Llama 3.2 1B-shaped checkpoint (bfloat16, llama3 RoPE scaling)
-as Hugging Face safetensors, then, in a fresh process, places its weights on 8
+as Hugging Face safetensors, and the same with its projections in fine-grained
+float8 (e4m3 values, one float32 scale per 128 x 128 block, as DeepSeek-V3
+publishes), then, for each, in a fresh process, places its weights on 8
 simulated CPU devices with fsdp=8 (`meshtrain.hf.load.load_params`). Simulated
 devices keep their arrays in host memory, so the import's overhead is its peak
 resident memory (VmHWM) minus the resident memory before the import started
@@ -31,8 +33,24 @@ LLAMA_3_2_1B = {
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 
 
-def write_checkpoint(directory: Path) -> None:
-  """Random bfloat16 weights in one model.safetensors, as the 3.2 1B release has them."""
+BLOCK = 128  # float8 scale blocks, rows and columns
+E4M3_MAX = 448.0
+
+
+def _float8_blocks(weight):
+  """(e4m3 values, float32 scale per block) of a matrix whose sides BLOCK divides."""
+  import ml_dtypes
+  import numpy as np
+  rows, cols = weight.shape
+  blocks = weight.astype(np.float32).reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+  scale = np.abs(blocks).max(axis=(1, 3)) / E4M3_MAX
+  values = (blocks / scale[:, None, :, None]).reshape(rows, cols)
+  return values.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def write_checkpoint(directory: Path, float8: bool) -> None:
+  """Random bfloat16 weights in one model.safetensors, as the 3.2 1B release
+  has them; with `float8`, its projections quantized."""
   import ml_dtypes
   import numpy as np
   import safetensors.numpy
@@ -53,6 +71,11 @@ def write_checkpoint(directory: Path) -> None:
   rng = np.random.default_rng(0)
   tensors = {name: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
              for name, shape in shapes.items()}
+  if float8:
+    for name in [name for name in tensors if "_proj." in name]:
+      tensors[name], tensors[name + "_scale_inv"] = _float8_blocks(tensors[name])
+    c = {**c, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                      "dynamic", "weight_block_size": [BLOCK, BLOCK]}}
   directory.mkdir(parents=True, exist_ok=True)
   safetensors.numpy.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
   (directory / "config.json").write_text(json.dumps(c, indent=2))
@@ -100,25 +123,28 @@ def main() -> None:
   if args.measure:
     print(json.dumps(measure(args.dir)))
     return
-  directory = Path(args.dir)
-  if not (directory / "model.safetensors").is_file():
-    write_checkpoint(directory)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-  result = subprocess.run([sys.executable, __file__, "--measure", "--dir", str(directory)],
-                          env=env, capture_output=True, text=True, check=True)
-  row = json.loads(result.stdout.strip().splitlines()[-1])
-  print(json.dumps(row, indent=2))
+  rows = []
+  for float8, name in ((False, "bf16"), (True, "float8 projections (128 x 128 blocks)")):
+    directory = Path(args.dir) / ("float8" if float8 else "bf16")
+    if not (directory / "model.safetensors").is_file():
+      write_checkpoint(directory, float8)
+    result = subprocess.run([sys.executable, __file__, "--measure", "--dir", str(directory)],
+                            env=env, capture_output=True, text=True, check=True)
+    rows.append({"checkpoint": name, **json.loads(result.stdout.strip().splitlines()[-1])})
+    print(json.dumps(rows[-1], indent=2))
   sys.path.insert(0, str(REPO / "bench"))
   os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
   from report import write_section
   table = ("| model | mesh | placed MiB | import overhead MiB | largest tensor MiB "
-           "| overhead / largest | seconds |\n|---|---|---|---|---|---|---|\n"
-           f"| Llama 3.2 1B shape, bf16 safetensors | {row['mesh']} on {row['devices']} cpu "
-           f"devices | {row['placed_mib']:.0f} | {row['overhead_mib']:.0f} "
-           f"| {row['largest_tensor_mib']:.0f} | {row['overhead_over_largest_tensor']:.2f} "
-           f"| {row['seconds']:.0f} |")
-  write_section("hf_import_memory", [row], table, "python bench/hf_import_memory.py")
+           "| overhead / largest | seconds |\n|---|---|---|---|---|---|---|\n" + "\n".join(
+               f"| Llama 3.2 1B shape, {row['checkpoint']} safetensors | {row['mesh']} on "
+               f"{row['devices']} cpu devices | {row['placed_mib']:.0f} | "
+               f"{row['overhead_mib']:.0f} | {row['largest_tensor_mib']:.0f} | "
+               f"{row['overhead_over_largest_tensor']:.2f} | {row['seconds']:.0f} |"
+               for row in rows))
+  write_section("hf_import_memory", rows, table, "python bench/hf_import_memory.py")
 
 
 if __name__ == "__main__":

@@ -73,11 +73,19 @@ def grid_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[i
 
 def dequantize(values: np.ndarray, scales: np.ndarray, block: tuple[int, int] | None,
                shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-  """`W[index]` in float32, from `values` (= Q[index]) and the whole float32
-  scale grid of the tensor of `shape`."""
+  """`W[index]` in float32, from `values` (= Q[index], `index` contiguous) and
+  the whole float32 scale grid of the tensor of `shape`. Scaled in place, a
+  column of blocks at a time: the host holds the float32 block and the float8
+  one, no scale per value."""
+  out = values.astype(np.float32)
   if grid_shape(shape, block) is None:
-    return values.astype(np.float32) * scales.reshape(())
+    out *= scales.reshape(())
+    return out
   index = (*index, *[slice(None)] * (len(shape) - len(index)))
-  rows, cols = (np.arange(*i.indices(n)) for i, n in zip(index[-2:], shape[-2:]))
-  per_value = scales[index[:-2]][..., rows // block[0], :][..., cols // block[1]]
-  return values.astype(np.float32) * per_value
+  rows = np.arange(*index[-2].indices(shape[-2]))
+  start, stop, _ = index[-1].indices(shape[-1])
+  scales_RxG = scales[index[:-2]][..., rows // block[0], :]  # each row's scale per column block
+  for column_block in range(start // block[1], math.ceil(stop / block[1])):
+    low, high = max(column_block * block[1], start), min((column_block + 1) * block[1], stop)
+    out[..., low - start:high - start] *= scales_RxG[..., column_block, None]
+  return out
