@@ -26,7 +26,7 @@ from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.hf.exporter import export_hf
-from meshtrain.hf.load import load_model_state, load_params
+from meshtrain.hf.load import layers_not_read, load_model_state, load_params
 from meshtrain.train.loop import train
 from meshtrain.train.resume import import_hf
 from meshtrain.train.setup import build
@@ -190,6 +190,33 @@ def test_export_loads_back_in_transformers_tensor_for_tensor(family_model, tmp_p
   written = json.loads((out / "config.json").read_text())
   assert written["model_type"] == family
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  x = tokens()
+  np.testing.assert_array_equal(hf_logits(reloaded, x), hf_logits(model, x))
+
+
+def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_and_said_so(tmp_path):
+  """DeepSeek-V3's checkpoint holds its multi-token prediction module as one
+  layer beyond num_hidden_layers; the import reads the model without it (as
+  transformers' model does), names it, and the export says it has none."""
+  model = save_hf_model(tmp_path / "hf", "deepseek_v3")
+  tensors = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+  last = "model.layers.2."  # the test model's 3 layers; DeepSeek-V3's MTP copies a layer's names
+  tensors.update({"model.layers.3." + name[len(last):]: tensor for name, tensor in tensors.items()
+                  if name.startswith(last)})
+  tensors.update({f"model.layers.3.{n}.weight": np.ones(32, np.float32) for n in ("enorm", "hnorm")})
+  safetensors.numpy.save_file(tensors, tmp_path / "hf" / "model.safetensors")
+  _edit(tmp_path / "hf", num_nextn_predict_layers=1)
+  assert layers_not_read(tmp_path / "hf", key="--from") == [3]
+  workdir = import_hf(micro_config(), tmp_path / "hf", tmp_path / "imported")
+  cfg = saved_run.load_config(workdir, {})
+  setup = build(cfg)
+  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
+                                     setup.shardings.model_state)
+  export_hf(cfg, params, workdir, tmp_path / "exported", model_state=state)
+  written = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert written["num_nextn_predict_layers"] == 0
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
   x = tokens()
   np.testing.assert_array_equal(hf_logits(reloaded, x), hf_logits(model, x))
 

@@ -65,7 +65,8 @@ _WRITTEN = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "torch_dtype", "model_type", "architectures", "sliding_window", "num_local_experts",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
             "mlp_only_layers", "decoder_sparse_step", "shared_expert_intermediate_size",
-            "qkv_bias", "quantization_config", *DEEPSEEK_KEYS)
+            "qkv_bias", "quantization_config", "num_nextn_predict_layers", "num_mtp_layers",
+            *DEEPSEEK_KEYS)
 
 
 def read(directory, *, key: str) -> dict:
@@ -278,9 +279,9 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
               num_experts_per_tok=moe.experts_per_token, moe_intermediate_size=width,
               n_shared_experts=moe.shared_mlp_dim // width, routed_scaling_factor=moe.route_scale,
               norm_topk_prob=moe.normalize_top_k, first_k_dense_replace=moe.first_dense_layers)
-    if name == "deepseek_v3":
+    if name == "deepseek_v3":  # no multi-token prediction layer: meshtrain trains none
       hf.update(rope_interleave=model.mla.rope_interleave, n_group=moe.expert_groups,
-                topk_group=moe.groups_per_token or moe.expert_groups)
+                topk_group=moe.groups_per_token or moe.expert_groups, num_nextn_predict_layers=0)
     elif moe.groups_per_token:
       hf.update(topk_method="group_limited_greedy", n_group=moe.expert_groups,
                 topk_group=moe.groups_per_token)

@@ -226,6 +226,17 @@ def _load(tensors: SafetensorsDir, weights: dict, abstract, shardings):
   return jax.tree_util.tree_unflatten(treedef, placed)
 
 
+def layers_not_read(directory, *, key: str) -> list[int]:
+  """The layers the checkpoint in `directory` holds beyond its
+  `num_hidden_layers`, which the import leaves out: DeepSeek-V3's multi-token
+  prediction module (`model.layers.61`), which transformers' model skips too."""
+  hf = hf_config.read(directory, key=key)
+  prefix, first = "model.layers.", hf["num_hidden_layers"]
+  layers = {name[len(prefix):].split(".", 1)[0] for name in SafetensorsDir(directory, key=key).files
+            if name.startswith(prefix)}
+  return sorted(int(layer) for layer in layers if layer.isdigit() and int(layer) >= first)
+
+
 def check_model(directory, model_cfg, *, key: str) -> dict:
   """DIR's config.json, checked against `config.model` (which must describe the same model)."""
   hf = hf_config.read(directory, key=key)
