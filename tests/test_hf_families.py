@@ -203,7 +203,8 @@ def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_and_said_so(tmp_p
   last = "model.layers.2."  # the test model's 3 layers; DeepSeek-V3's MTP copies a layer's names
   tensors.update({"model.layers.3." + name[len(last):]: tensor for name, tensor in tensors.items()
                   if name.startswith(last)})
-  tensors.update({f"model.layers.3.{n}.weight": np.ones(32, np.float32) for n in ("enorm", "hnorm")})
+  tensors.update({f"model.layers.3.{norm}.weight": np.ones(32, np.float32)
+                  for norm in ("enorm", "hnorm")})
   safetensors.numpy.save_file(tensors, tmp_path / "hf" / "model.safetensors")
   _edit(tmp_path / "hf", num_nextn_predict_layers=1)
   assert layers_not_read(tmp_path / "hf", key="--from") == [3]
