@@ -117,6 +117,7 @@ def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.A
 
 def _written(cache_BxTx: tuple[jax.Array, ...], new_BxSx: tuple[jax.Array, ...],
              start: jax.Array) -> tuple[jax.Array, ...]:
+  """Each cache array with the S new tokens' entries in slots [start, start + S)."""
   return tuple(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, axis=1)
                for c, n in zip(cache_BxTx, new_BxSx))
 

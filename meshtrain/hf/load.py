@@ -146,11 +146,14 @@ class SafetensorsDir:
     return out
 
 
-def _mapping(tensors: SafetensorsDir, hf: dict) -> dict:
-  """The family's tensor names, in the expert layout the directory holds."""
+def _tensors(directory, key: str) -> tuple[SafetensorsDir, dict]:
+  """The model's tensors, and its family's names for them in the expert
+  layout the directory holds."""
+  hf = hf_config.read(directory, key=key)
+  tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
   dense = hf_config.model_keys(hf)["moe"].get("first_dense_layers", 0)
   fused = f"model.layers.{dense}.{FUSED_GATE_UP}" in tensors.files
-  return hf_weights(hf["model_type"], dense, fused_experts=fused)
+  return tensors, hf_weights(hf["model_type"], dense, fused_experts=fused)
 
 
 def _check_shapes(tensors: SafetensorsDir, weights: dict, abstract_params) -> None:
@@ -198,18 +201,15 @@ def _place(tensors: SafetensorsDir, weight, abstract, sharding) -> jax.Array:
 def load_params(directory, abstract_params, shardings, *, key: str):
   """The weights of the Hugging Face model in `directory` as meshtrain's
   parameters (`abstract_params` tree), laid out by `shardings`."""
-  hf = hf_config.read(directory, key=key)
-  tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
-  return _load(tensors, _mapping(tensors, hf), abstract_params, shardings)
+  tensors, weights = _tensors(directory, key)
+  return _load(tensors, weights, abstract_params, shardings)
 
 
 def load_model_state(directory, abstract_state, shardings, *, key: str):
   """The model state the Hugging Face model in `directory` keeps (DeepSeek-V3's
   router selection biases), laid out by `shardings`; None where its family
   keeps none (the state then starts at zero)."""
-  hf = hf_config.read(directory, key=key)
-  tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
-  weights = _mapping(tensors, hf)
+  tensors, weights = _tensors(directory, key)
   paths = [path_string(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
   if not paths or any(path not in weights for path in paths):
     return None
