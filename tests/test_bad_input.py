@@ -334,6 +334,9 @@ CASES = [
     ("import-hf", ["--from={tmp}/hf_model", "--to={tmp}/imported"], "--from"),
     ("import-hf", ["--from={tmp}/hf_list", "--to={tmp}/imported"], "--from"),
     ("import-hf", ["--from={tmp}/hf_garbled", "--to={tmp}/imported"], "--from"),
+    ("import-hf", ["--from={tmp}/hf_gptq", "--to={tmp}/imported"], "--from"),  # not float8
+    ("import-hf", ["--from={tmp}/hf_fp8_rows", "--to={tmp}/imported"], "--from"),  # a 1-D block
+    ("import-hf", ["--from={tmp}/hf_fp8_blocks_text", "--to={tmp}/imported"], "--from"),
 ]
 
 
@@ -359,6 +362,12 @@ DATA_FILES = {
     "hf_garbled/config.json": json.dumps(HF_LLAMA),
     "hf_garbled/model.safetensors": "not a safetensors header " * 40,
     "hf_deep/config.json": "[" * 100_000 + "]" * 100_000,
+    "hf_gptq/config.json": json.dumps({**HF_LLAMA, "quantization_config": {
+        "quant_method": "gptq", "bits": 4}}),
+    "hf_fp8_rows/config.json": json.dumps({**HF_LLAMA, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128]}}),
+    "hf_fp8_blocks_text/config.json": json.dumps({**HF_LLAMA, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": ["128", "128"]}}),
     "deep_run/config.json": "[" * 100_000 + "]" * 100_000,
     "checkpoints_file/checkpoints": "not a folder",
     **{f"cluster_{name}.json": json.dumps({**H100, **change}) for name, change in {
