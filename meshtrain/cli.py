@@ -105,8 +105,9 @@ _MAX_RESTARTS = flags.DEFINE_integer(
 _FROM = flags.DEFINE_string("from", None, "import-hf: a Hugging Face Llama directory")
 _TO = flags.DEFINE_string("to", None, "import-hf: the workdir to write; export-hf: the "
                           "Hugging Face directory to write")
-_DTYPE = flags.DEFINE_string("dtype", "", "export-hf: float32 | bfloat16 | float16 "
-                             "(default: the imported model's, else float32)")
+_DTYPE = flags.DEFINE_string("dtype", "", "export-hf: float32 | bfloat16 | float16 | float8 "
+                             "(projections in e4m3 with a scale per 128 x 128 block, the rest "
+                             "bfloat16; default: the imported model's, else float32)")
 _MAX_SHARD_MB = flags.DEFINE_integer("max_shard_mb", 5120, "export-hf: safetensors files above "
                                      "this size are split into shards with an index")
 _PROMPT = flags.DEFINE_string("prompt", None, "generate: the text to continue")

@@ -8,6 +8,7 @@ refused before anything is written."""
 import json
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.torch
@@ -186,3 +187,66 @@ def test_a_float8_weight_without_its_scales_is_refused_before_writing(tmp_path, 
     import_hf(micro_config(), tmp_path / "fp8", tmp_path / "imported")
   assert error.value.key == "--from"
   assert not (tmp_path / "imported").exists()
+
+
+def test_quantized_blocks_keep_e4m3s_precision():
+  """Each value comes back within half an e4m3 step: 1/16 of its magnitude,
+  or 2**-10 of its block's scale below e4m3's smallest normal; an all-zero
+  block stays zero; the block's largest magnitude is exactly 448 x scale."""
+  rng = np.random.default_rng(0)
+  matrix = rng.normal(size=(300, 200)).astype(np.float32) * rng.uniform(0.01, 10, (300, 1))
+  matrix[:128, :128] = 0
+  values, scales = float8.quantize(matrix)
+  assert values.dtype == ml_dtypes.float8_e4m3fn and scales.shape == (3, 2)
+  back = float8.dequantize(values, scales, (128, 128), matrix.shape, (slice(None), slice(None)))
+  per_value = block_scales(torch.as_tensor(scales), (128, 128)).numpy()[:300, :200]
+  assert np.all(np.abs(back - matrix) <= np.maximum(np.abs(matrix) / 16, per_value * 2**-10))
+  assert not back[:128, :128].any()
+  np.testing.assert_array_equal(np.abs(values.astype(np.float32)).max(), float8.E4M3_MAX)
+
+
+@pytest.mark.parametrize("family", tiered(["deepseek_v3", "mixtral"], ("deepseek_v3",)))
+def test_a_float8_export_is_what_transformers_and_the_import_read(tmp_path, family):
+  """`export-hf --dtype float8` writes the projections as float8 blocks (the
+  embedding, head and routers in bfloat16), in shards; transformers loads it
+  and the import computes transformers' logits from it. From a float8 import
+  it writes the same float8 values back."""
+  save_hf_model(tmp_path / "float", family)
+  source = tmp_path / "float"
+  if family == "deepseek_v3":  # from float8 blocks as the export writes them
+    quantize(tmp_path / "float", tmp_path / "fp8", float8.EXPORT_BLOCK)
+    source = tmp_path / "fp8"
+  workdir = import_hf(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4}), source,
+                      tmp_path / "imported")
+  cfg = saved_run.load_config(workdir, {})
+  setup = build(cfg)
+  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
+                                     setup.shardings.model_state)
+  out = tmp_path / "exported"
+  export_hf(cfg, params, workdir, out, model_state=state, dtype="float8",
+            max_shard_bytes=40_000)
+  written = json.loads((out / "config.json").read_text())
+  assert written["quantization_config"] == float8.EXPORT_CONFIG
+  index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+  assert len(set(index.values())) > 1
+  tensors = {}
+  for file in set(index.values()):
+    tensors.update(safetensors.torch.load_file(out / file))
+  assert sorted(tensors) == sorted(index)
+  for name, tensor in tensors.items():
+    quantized = name + "_scale_inv" in tensors
+    assert tensor.dtype == (torch.float8_e4m3fn if quantized else torch.float32
+                            if name.endswith("_scale_inv") else torch.bfloat16), name
+    assert quantized == (_quantized(name) or name.endswith((".w1.weight", ".w2.weight",
+                                                            ".w3.weight"))), name
+  if family == "deepseek_v3":  # the float8 import's values, written back
+    original = safetensors.torch.load_file(source / "model.safetensors")
+    for name, tensor in original.items():
+      if tensor.dtype == torch.float8_e4m3fn:
+        np.testing.assert_array_equal(tensors[name].view(torch.uint8).numpy(),
+                                      tensor.view(torch.uint8).numpy(), err_msg=name)
+        np.testing.assert_allclose(tensors[name + "_scale_inv"].numpy(),
+                                   original[name + "_scale_inv"].numpy(), rtol=1e-6)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert_import_computes_logits(out, model, "fsdp=4 tensor=2")

@@ -5,14 +5,18 @@ whose options the model uses (`meshtrain.hf.config.family`); a model with
 options no family has (a fine-tuned import's too, such as DeepSeek-V3's
 selection bias) is refused before anything is written. Experts are
 written one tensor per expert, the layout `save_pretrained` writes and every
-transformers version loads. Writes `config.json`, the weights as safetensors (one `model.safetensors`, or
-shards of at most `max_shard_bytes` with `model.safetensors.index.json`, as
-`save_pretrained` does) and the run's tokenizer files, so that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it. Weights are
-gathered one meshtrain tensor at a time and written one shard at a time.
+transformers version loads. Writes `config.json`, the weights as safetensors
+(one `model.safetensors`, or shards of at most `max_shard_bytes` with
+`model.safetensors.index.json`, as `save_pretrained` does) and the run's
+tokenizer files, so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
+loads it. Weights are gathered one meshtrain tensor at a time and written one
+shard at a time. `float8` writes the projection matrices as DeepSeek-V3
+publishes its own (`meshtrain.hf.float8`: e4m3 values and a float32 scale per
+128 x 128 block, `quantization_config`), the rest in bfloat16.
 """
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +31,14 @@ from tqdm import tqdm
 from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError, reading
-from meshtrain.hf import config as hf_config
+from meshtrain.hf import config as hf_config, float8
 from meshtrain.hf.importer import HF_CONFIG_FILE, TOKENIZER_FILES
 from meshtrain.hf.load import INDEX_FILE, SINGLE_FILE
 from meshtrain.hf.weights import hf_weights
 from meshtrain.models.patterns import path_string
 
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+          "float8": ml_dtypes.bfloat16}  # float8: what is not quantized
 
 
 def _leaves(params, model_state, weights: dict) -> list[tuple[object, jax.Array]]:
@@ -46,20 +51,30 @@ def _leaves(params, model_state, weights: dict) -> list[tuple[object, jax.Array]
              if path_string(path) in weights])
 
 
-def _hf_tensors(leaves, dtype) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, tensor) in Hugging Face layout, one gathered meshtrain weight at a time."""
+def _hf_tensors(leaves, dtype: str) -> Iterator[list[tuple[str, np.ndarray]]]:
+  """Each HF tensor in Hugging Face layout as the (name, array) pairs written
+  for it (a float8 matrix: its values and its scales), one gathered meshtrain
+  weight at a time."""
   for weight, leaf in leaves:
     value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     for lead, name in weight.names(value.shape):
-      yield name, weight.to_hf(value[lead]).astype(dtype)
+      tensor = weight.to_hf(value[lead])
+      if dtype == "float8" and float8.quantized_on_export(name, tensor.ndim):
+        values, scales = float8.quantize(tensor)
+        yield [(name, values), (name + float8.SCALE_SUFFIX, scales)]
+      else:
+        yield [(name, tensor.astype(DTYPES[dtype]))]
 
 
-def _shard_sizes(leaves, itemsize: int, max_shard_bytes: int) -> list[int]:
-  """How many tensors each shard holds, filling shards in order up to the limit."""
+def _shard_sizes(leaves, dtype: str, max_shard_bytes: int) -> list[int]:
+  """How many HF tensors each shard holds, filling shards in order up to the limit."""
   sizes = []
   for weight, leaf in leaves:
-    count = len(list(weight.names(leaf.shape)))
-    sizes += [leaf.size // count * itemsize] * count
+    names = [name for _, name in weight.names(leaf.shape)]
+    inner = leaf.shape[weight.stacked_dims:]
+    ndim = len(weight.hf_shape(inner))
+    sizes += [math.prod(inner) * (1 if dtype == "float8" and float8.quantized_on_export(
+        name, ndim) else np.dtype(DTYPES[dtype]).itemsize) for name in names]
   counts, used = [0], 0
   for size in sizes:
     if counts[-1] and used + size > max_shard_bytes:
@@ -117,15 +132,15 @@ def export_hf(cfg, params, workdir, directory, *, model_state=None, dtype: str =
   weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
                        else 0)
   leaves = _leaves(params, model_state, weights)
-  counts = _shard_sizes(leaves, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
+  counts = _shard_sizes(leaves, dtype, max_shard_bytes)
   names = ([SINGLE_FILE] if len(counts) == 1 else
            [f"model-{i + 1:05d}-of-{len(counts):05d}.safetensors" for i in range(len(counts))])
   writer = jax.process_index() == 0
   if writer:
     directory.mkdir(parents=True, exist_ok=True)
-  tensors, weight_map, total = _hf_tensors(leaves, DTYPES[dtype]), {}, 0
+  tensors, weight_map, total = _hf_tensors(leaves, dtype), {}, 0
   for name, count in zip(tqdm(names, desc="export", unit="file", disable=not writer), counts):
-    shard = dict(next(tensors) for _ in range(count))
+    shard = dict(pair for _ in range(count) for pair in next(tensors))
     weight_map.update(dict.fromkeys(shard, name))
     total += sum(t.nbytes for t in shard.values())
     if writer:
@@ -137,7 +152,9 @@ def export_hf(cfg, params, workdir, directory, *, model_state=None, dtype: str =
     (directory / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     names.append(INDEX_FILE)
-  hf = hf_config.to_hf(cfg.model, dtype, source)
+  hf = hf_config.to_hf(cfg.model, "bfloat16" if dtype == "float8" else dtype, source)
+  if dtype == "float8":
+    hf["quantization_config"] = float8.EXPORT_CONFIG
   if source is None:  # a model trained here: what generation needs to know
     hf.update(max_position_embeddings=cfg.seq_len, eos_token_id=tokenizer.eos_id,
               bos_token_id=tokenizer.bos_id)

@@ -25,6 +25,13 @@ RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5
               "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 QUANTIZED = ("F8_E4M3", "F8_E5M2")  # the values of a quantized matrix
 UE8M0_BIAS = 127  # a byte `e` of a UE8M0 scale stands for 2 ** (e - 127)
+E4M3_MAX = 448.0  # e4m3's largest finite value: each block's largest magnitude maps to it
+EXPORT_BLOCK = (128, 128)  # DeepSeek-V3's blocks
+EXPORT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": list(EXPORT_BLOCK)}
+# HF tensors kept in bfloat16 by a float8 export, as DeepSeek-V3's checkpoint
+# keeps them: the embedding, the output head and the routers (and every vector)
+_NOT_QUANTIZED = ("embed_tokens.", "lm_head.", ".gate.weight", "shared_expert_gate.")
 
 
 def unsupported(quantization: object) -> list[str]:
@@ -89,3 +96,25 @@ def dequantize(values: np.ndarray, scales: np.ndarray, block: tuple[int, int] | 
     low, high = max(column_block * block[1], start), min((column_block + 1) * block[1], stop)
     out[..., low - start:high - start] *= scales_RxG[..., column_block, None]
   return out
+
+
+def quantized_on_export(name: str, ndim: int) -> bool:
+  """Whether a float8 export writes the HF tensor `name` (of `ndim`
+  dimensions) as float8 blocks: every projection matrix."""
+  return ndim == 2 and not any(part in name for part in _NOT_QUANTIZED)
+
+
+def quantize(matrix_RxC: np.ndarray,
+             block: tuple[int, int] = EXPORT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+  """(e4m3 values, float32 scales [ceil(R / b0), ceil(C / b1)]) of a matrix,
+  each block's largest magnitude mapped to 448 (an all-zero block: scale 1),
+  so that `dequantize` gives it back to e4m3's precision."""
+  rows, cols = matrix_RxC.shape
+  grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+  padded = np.zeros((grid[0] * block[0], grid[1] * block[1]), np.float32)
+  padded[:rows, :cols] = matrix_RxC
+  blocks = padded.reshape(grid[0], block[0], grid[1], block[1])
+  largest = np.abs(blocks).max(axis=(1, 3))
+  scales = np.where(largest > 0, largest / np.float32(E4M3_MAX), 1).astype(np.float32)
+  values = (blocks / scales[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
+  return values.astype(ml_dtypes.float8_e4m3fn), scales
