@@ -18,8 +18,7 @@ import transformers
 from conftest import micro_config, tiered
 from test_hf import hf_logits, tokens
 from test_hf_families import (assert_import_computes_logits, assert_logits_close, imported,
-                              save_hf_model)
-from meshtrain import workdir as saved_run
+                              save_hf_model, saved_weights)
 from meshtrain.errors import ConfigError
 from meshtrain.hf import float8, load
 from meshtrain.hf.exporter import export_hf
@@ -150,11 +149,7 @@ def test_the_export_of_a_float8_import_is_a_float_checkpoint(tmp_path):
   quantize(tmp_path / "float", tmp_path / "fp8")
   workdir = import_hf(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4}), tmp_path / "fp8",
                       tmp_path / "imported")
-  cfg = saved_run.load_config(workdir, {})
-  setup = build(cfg)
-  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
-  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
-                                     setup.shardings.model_state)
+  cfg, params, state = saved_weights(workdir)
   export_hf(cfg, params, workdir, tmp_path / "exported", model_state=state)
   assert "quantization_config" not in json.loads((tmp_path / "exported" / "config.json")
                                                  .read_text())
@@ -218,11 +213,7 @@ def test_a_float8_export_is_what_transformers_and_the_import_read(tmp_path, fami
     source = tmp_path / "fp8"
   workdir = import_hf(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4}), source,
                       tmp_path / "imported")
-  cfg = saved_run.load_config(workdir, {})
-  setup = build(cfg)
-  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
-  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
-                                     setup.shardings.model_state)
+  cfg, params, state = saved_weights(workdir)
   out = tmp_path / "exported"
   export_hf(cfg, params, workdir, out, model_state=state, dtype="float8",
             max_shard_bytes=40_000)

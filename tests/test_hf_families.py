@@ -107,6 +107,16 @@ def imported_weights(directory, setup):
                                   setup.shardings.model_state, key="--from")
 
 
+def saved_weights(workdir, overrides=None):
+  """(config, params, model state) of the step-0 checkpoint in `workdir`, on
+  its config's mesh with `overrides`."""
+  cfg = saved_run.load_config(workdir, overrides or {})
+  setup = build(cfg)
+  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
+  return cfg, params, saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
+                                                 setup.shardings.model_state)
+
+
 def assert_logits_close(got, expected):
   scale = np.abs(expected).max()
   assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
@@ -175,11 +185,7 @@ def test_export_loads_back_in_transformers_tensor_for_tensor(family_model, tmp_p
   family, directory, model = family_model
   workdir = import_hf(micro_config(**{"mesh.data": 2, "mesh.fsdp": 4}), directory,
                       tmp_path / "imported")
-  cfg = saved_run.load_config(workdir, {"mesh.data": 8, "mesh.fsdp": 1})
-  setup = build(cfg)
-  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
-  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
-                                     setup.shardings.model_state)
+  cfg, params, state = saved_weights(workdir, {"mesh.data": 8, "mesh.fsdp": 1})
   out = tmp_path / "exported"
   export_hf(cfg, params, workdir, out, model_state=state)
   expected = safetensors.numpy.load_file(directory / "model.safetensors")
@@ -209,11 +215,7 @@ def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_and_said_so(tmp_p
   _edit(tmp_path / "hf", num_nextn_predict_layers=1)
   assert layers_not_read(tmp_path / "hf", key="--from") == [3]
   workdir = import_hf(micro_config(), tmp_path / "hf", tmp_path / "imported")
-  cfg = saved_run.load_config(workdir, {})
-  setup = build(cfg)
-  params = saved_run.load_params(workdir, 0, setup.spec.abstract_params, setup.shardings.params)
-  state = saved_run.load_model_state(workdir, 0, setup.abstract_state().model_state,
-                                     setup.shardings.model_state)
+  cfg, params, state = saved_weights(workdir)
   export_hf(cfg, params, workdir, tmp_path / "exported", model_state=state)
   written = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert written["num_nextn_predict_layers"] == 0
