@@ -39,10 +39,15 @@ def block_scales(weight: torch.Tensor, block) -> torch.Tensor:
   return weight.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
 
 
-def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, ue8m0=False):
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,  # Qwen3's -FP8 models
+                "ue8m0": torch.float8_e8m0fnu}  # power-of-two bytes
+
+
+def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, scales="float32"):
   """`source`'s model as a fine-grained float8 checkpoint in `out`, written
-  with torch. Returns each quantized tensor's float32 value after the round
-  trip (torch's dequantization, the reference)."""
+  with torch, its scales in `scales` (SCALE_DTYPES). Returns each quantized
+  tensor's float32 value after the round trip (torch's dequantization, the
+  reference)."""
   tensors = safetensors.torch.load_file(source / "model.safetensors")
   stored, expected = {}, {}
   for name, weight in tensors.items():
@@ -55,18 +60,19 @@ def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, ue8m0=False)
     padded[:rows, :cols] = weight
     amax = padded.reshape(grid[0], block[0], grid[1], block[1]).abs().amax((1, 3))
     scale = amax / E4M3_MAX
-    if ue8m0:  # the next power of two, as UE8M0 stores it
+    if scales == "ue8m0":  # the next power of two, as UE8M0 stores it
       scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    per_element = block_scales(scale, block)[:rows, :cols]
+    scale = scale.to(SCALE_DTYPES[scales])
+    per_element = block_scales(scale.float(), block)[:rows, :cols]
     stored[name] = (weight / per_element).to(values)
-    stored[name + "_scale_inv"] = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+    stored[name + "_scale_inv"] = scale
     expected[name] = stored[name].float() * per_element
   out.mkdir()
   safetensors.torch.save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
   hf = json.loads((source / "config.json").read_text())
   hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
                                "dynamic", "weight_block_size": list(block),
-                               "scale_fmt": "ue8m0" if ue8m0 else "float"}
+                               "scale_fmt": "ue8m0" if scales == "ue8m0" else "float"}
   (out / "config.json").write_text(json.dumps(hf))
   for other in source.glob("tokenizer*"):
     (out / other.name).write_bytes(other.read_bytes())
@@ -91,11 +97,12 @@ def test_float8_import_computes_transformers_dequantized_logits(float8_model, me
   assert_import_computes_logits(directory, model, mesh)
 
 
-@pytest.mark.parametrize("block, values, ue8m0", [
-    ((8, 16), torch.float8_e4m3fn, False),  # blocks the matrices' sizes do not divide
-    ((16, 8), torch.float8_e5m2, True),  # UE8M0 scales (power-of-two bytes), e5m2 values
-    (None, torch.float8_e4m3fn, False)])  # one scale per matrix
-def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, values, ue8m0):
+@pytest.mark.parametrize("block, values, scales", [
+    ((8, 16), torch.float8_e4m3fn, "float32"),  # blocks the matrices' sizes do not divide
+    ((16, 8), torch.float8_e5m2, "ue8m0"),  # UE8M0 scales, e5m2 values
+    ((8, 8), torch.float8_e4m3fn, "bfloat16"),
+    (None, torch.float8_e4m3fn, "float32")])  # one scale per matrix
+def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, values, scales):
   """Every imported weight equals torch's `Q * scale` to the bit, on a mesh
   whose shards, and runs of rows read at once, cut blocks in the middle;
   `transformers` refuses blocks that do not divide a matrix, so torch's
@@ -103,7 +110,7 @@ def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, v
   monkeypatch.setattr(load, "READ_BYTES", 40)  # 1 to 3 rows a read
   save_hf_model(tmp_path / "float", "deepseek_v3")
   grid_block = block or (128, 128)  # one block covering each of the test model's matrices
-  expected = quantize(tmp_path / "float", tmp_path / "fp8", grid_block, values, ue8m0)
+  expected = quantize(tmp_path / "float", tmp_path / "fp8", grid_block, values, scales)
   if block is None:  # one scale per matrix: written as a [1] vector, config says null
     hf = json.loads((tmp_path / "fp8" / "config.json").read_text())
     hf["quantization_config"]["weight_block_size"] = None
