@@ -179,9 +179,12 @@ SCALE = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop(SCALE), "q_a_proj.weight is float8 but .* has no .*weight_scale_inv; "
                              "download every shard"),
+    (lambda t: t.update({SCALE: t[SCALE].to(torch.float8_e4m3fn)}),
+     "weight_scale_inv is F8_E4M3; block scales are float32, bfloat16 or UE8M0"),
+    (lambda t: t[SCALE].__setitem__((0, 0), float("nan")), "scales that are not finite"),
     (lambda t: t.update({SCALE: t[SCALE][:1]}), r"weight_scale_inv is \[1, 8\], but .*"
                                                 r"weight_block_size=\[4, 4\] has \[6, 8\]")])
-def test_a_float8_weight_without_its_scales_is_refused_before_writing(tmp_path, edit, message):
+def test_a_float8_weight_without_good_scales_is_refused_before_writing(tmp_path, edit, message):
   save_hf_model(tmp_path / "float", "deepseek_v3")
   quantize(tmp_path / "float", tmp_path / "fp8")
   _rewrite(tmp_path / "fp8", edit)

@@ -109,7 +109,10 @@ class SafetensorsDir:
     if scale_name not in self.files:
       raise ConfigError(self.key, f"tensor {name} is float8 but {self.directory} has no "
                         f"{scale_name}; download every shard of the model")
-    scales, grid = self.shape(scale_name), float8.grid_shape(shape, self.block)
+    (scales, scale_dtype), grid = self._info(scale_name), float8.grid_shape(shape, self.block)
+    if scale_dtype in float8.QUANTIZED:
+      raise ConfigError(self.key, f"tensor {scale_name} is {scale_dtype}; block scales are "
+                        "float32, bfloat16 or UE8M0 (F8_E8M0, U8)")
     if scales != grid and not (grid is None and math.prod(scales) == 1):
       raise ConfigError(self.key, f"tensor {scale_name} is {list(scales)}, but {name} "
                         f"{list(shape)} in blocks of quantization_config.weight_block_size="
@@ -125,7 +128,11 @@ class SafetensorsDir:
     values = self._raw(name, index)
     if dtype not in float8.QUANTIZED:
       return values
-    scales = float8.scale_values(self._dequantized(self.check_scales(name), ()))
+    scale_name = self.check_scales(name)
+    scales = float8.scale_values(self._dequantized(scale_name, ()))
+    if not np.isfinite(scales).all():
+      raise ConfigError(self.key, f"tensor {scale_name} holds scales that are not finite; "
+                        "download the shard again")
     return float8.dequantize(values, scales, self.block, shape, index)
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
