@@ -8,8 +8,9 @@ step writes one slot and attends over the cache, so a new token costs one
 token's forward pass, not the prefix's. Under Multi-head Latent Attention the
 cache holds each token's latent and shared rotated key instead (576 numbers a
 token and layer for DeepSeek-V3, against 2 x 128 heads x 192 expanded), and
-attention runs with the up-projections absorbed
-(`LatentAttention.absorbed_attention`).
+a decode step attends with the up-projections absorbed
+(`LatentAttention.absorbed_attention`). The prefill attends among the
+prompt's tokens only, not over the empty slots after them.
 
 The layers run the model's own modules (norms, q/k/v projection, RoPE, MLP,
 head); only attention differs from `Llama.__call__`: it reads the cache.
@@ -74,19 +75,24 @@ def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arr
 
 
 def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.Array,
-                       cache: tuple[jax.Array, jax.Array], start: jax.Array, first_B: jax.Array):
+                       cache: tuple[jax.Array, jax.Array], start: jax.Array | None,
+                       first_B: jax.Array):
   """Logits of `tokens` written into cache slots [start, start + S), attending
   to slots from each row's first real one (`first_B`) up to their own (of
-  them the last `sliding_window`, where the model has one).
+  them the last `sliding_window`, where the model has one). `start` None is
+  the prefill: slots [0, S), where the tokens attend to each other only, not
+  to the empty slots after them (and MLA in its expanded form, which does a
+  third of the absorbed form's arithmetic on a prompt).
   The cache holds every layer's keys and values (MLA: latents and rotated
   keys), an MoE model's leading dense layers first. Returns (float32 logits
   [B, S, V], updated cache)."""
   cfg, (length, slots) = model.cfg, (tokens_BxS.shape[1], cache[0].shape[2])
-  slot_S = start + jnp.arange(length)
-  visible_BxSxT = ((jnp.arange(slots)[None, None, :] <= slot_S[None, :, None])
-                   & (jnp.arange(slots)[None, None, :] >= first_B[:, None, None]))
+  slot_S = (0 if start is None else start) + jnp.arange(length)
+  slot_T = jnp.arange(length if start is None else slots)
+  visible_BxSxT = ((slot_T[None, None, :] <= slot_S[None, :, None])
+                   & (slot_T[None, None, :] >= first_B[:, None, None]))
   if cfg.sliding_window:  # the last `sliding_window` slots, itself included
-    visible_BxSxT &= jnp.arange(slots)[None, None, :] > slot_S[None, :, None] - cfg.sliding_window
+    visible_BxSxT &= slot_T[None, None, :] > slot_S[None, :, None] - cfg.sliding_window
   stacks = [layers for layers in (model.dense_layers, model.layers) if layers is not None]
   x_BxSxD, updated = model.embed(tokens_BxS), []
   first = 0
@@ -102,24 +108,36 @@ def forward_with_cache(model: Llama, tokens_BxS: jax.Array, positions_BxS: jax.A
   return model.head(x_BxSxD, model.embed.table() if cfg.tie_embeddings else None), cache
 
 
-def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.Array,
+def _cached_layer(graphdef: nnx.GraphDef, positions_BxS: jax.Array, start: jax.Array | None,
                   visible_BxSxT: jax.Array, x_BxSxD: jax.Array, inputs):
   """One block on S new tokens, what it caches written into its cache slice."""
   state, *cache = inputs
   block = nnx.merge(graphdef, state)
-  attend = _latent_attention if isinstance(block.attn, LatentAttention) else _attention
-  out_BxSxNxH, cache = attend(block.attn, block.attn_norm(x_BxSxD), positions_BxS, cache, start,
-                              visible_BxSxT)
+  attend = (_prefill if start is None else _latent_attention
+            if isinstance(block.attn, LatentAttention) else _attention)
+  out_BxSxNxH, cache = attend(block.attn, block.attn_norm(x_BxSxD), positions_BxS, cache,
+                              start, visible_BxSxT)
   x_BxSxD = x_BxSxD + block.attn.project_out(out_BxSxNxH.astype(x_BxSxD.dtype))
   x_BxSxD = x_BxSxD + block.mlp(block.mlp_norm(x_BxSxD))
   return x_BxSxD, cache
 
 
 def _written(cache_BxTx: tuple[jax.Array, ...], new_BxSx: tuple[jax.Array, ...],
-             start: jax.Array) -> tuple[jax.Array, ...]:
+             start: jax.Array | int) -> tuple[jax.Array, ...]:
   """Each cache array with the S new tokens' entries in slots [start, start + S)."""
   return tuple(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, axis=1)
                for c, n in zip(cache_BxTx, new_BxSx))
+
+
+def _prefill(attn, x_BxSxD, positions_BxS, cache, _, visible_BxSxS):
+  """Attention of the S prompt tokens among themselves, what they cache
+  written into slots [0, S)."""
+  q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = attn.qkv(x_BxSxD, positions_BxS)
+  out_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH,
+                                             mask=visible_BxSxS[:, None])
+  cached = (attn.latent(x_BxSxD, positions_BxS) if isinstance(attn, LatentAttention)
+            else (k_BxSxKxH, v_BxSxKxH))
+  return out_BxSxNxH, _written(cache, cached, 0)
 
 
 def _attention(attn, x_BxSxD, positions_BxS, cache, start, visible_BxSxT):
@@ -219,7 +237,7 @@ class Generator:
       model = nnx.merge(graphdef, *weights)
       positions_BxP = jnp.maximum(jnp.arange(tokens_BxP.shape[1])[None] - first_B[:, None], 0)
       logits_BxPxV, cache = forward_with_cache(model, tokens_BxP, positions_BxP, fresh_cache(model),
-                                               jnp.int32(0), first_B)
+                                               None, first_B)
       return sample(logits_BxPxV[:, -1], key, sampling), cache
 
     def decode(weights, token_B, cache, slot, first_B, key):

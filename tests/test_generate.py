@@ -76,13 +76,16 @@ YARN = {"model.rope_scaling_type": "yarn", "model.rope_scaling_factor": 4.0,
         "model.rope_mscale_all_dim": 0.7}
 
 
-@pytest.mark.parametrize("changes", [MLA, {**MLA, **YARN, "model.mla.q_lora_rank": 0,
-                                           "model.mla.v_head_dim": 16, **SHARDED}],
-                         ids=["one_device", "yarn_no_query_latent_wide_values_fsdp4_tensor2"])
-def test_the_latent_cache_gives_the_forward_logits(changes):
-  """MLA caches each token's latent and rotated key (kv_lora_rank +
-  rope_head_dim numbers a layer), and its absorbed attention gives the logits
-  of the whole sequence through `Llama.__call__`, prefill and each decode step."""
+@pytest.mark.parametrize("changes", [
+    {}, {"model.sliding_window": 4, **SHARDED}, MLA,
+    {**MLA, **YARN, "model.mla.q_lora_rank": 0, "model.mla.v_head_dim": 16, **SHARDED}],
+    ids=["grouped_query", "sliding_window_fsdp4_tensor2", "latent",
+         "latent_yarn_no_query_latent_wide_values_fsdp4_tensor2"])
+def test_the_cache_gives_the_forward_logits(changes):
+  """The prefill (the prompt attending to itself) and each decode step give
+  the logits of the whole sequence through `Llama.__call__`; MLA's cache
+  holds each token's latent and rotated key (kv_lora_rank + rope_head_dim
+  numbers a layer), read by its absorbed attention."""
   cfg = micro_config(**changes)
   setup = build(cfg, jax.devices() if "mesh.tensor" in changes else jax.devices()[:1])
   params = setup.init_state().params
@@ -96,15 +99,15 @@ def test_the_latent_cache_gives_the_forward_logits(changes):
     first_B = jnp.zeros(2, jnp.int32)
     step = jax.jit(lambda t, pos, c, start: generate.forward_with_cache(model, t, pos, c, start,
                                                                         first_B))
-    logits, cache = step(x_BxL[:, :prompt], np.arange(prompt)[None].repeat(2, 0), cache,
-                         jnp.int32(0))
+    logits, cache = step(x_BxL[:, :prompt], np.arange(prompt)[None].repeat(2, 0), cache, None)
     got = [np.asarray(logits)]
     for slot in range(prompt, 12):
       logits, cache = step(x_BxL[:, slot:slot + 1], np.full((2, 1), slot), cache, jnp.int32(slot))
       got.append(np.asarray(logits))
   m = cfg.model.mla
-  assert [c.shape for c in cache] == [(cfg.model.num_layers, 2, 12, m.kv_lora_rank),
-                                      (cfg.model.num_layers, 2, 12, m.rope_head_dim)]
+  width = ((m.kv_lora_rank,), (m.rope_head_dim,)) if m.kv_lora_rank else (
+      (cfg.model.num_kv_heads, cfg.model.head_dim),) * 2
+  assert [c.shape for c in cache] == [(cfg.model.num_layers, 2, 12, *w) for w in width]
   np.testing.assert_allclose(np.concatenate(got, axis=1), expected, rtol=1e-5,
                              atol=1e-5 * np.abs(expected).max())
 
