@@ -15,17 +15,39 @@ import safetensors.torch
 import torch
 import transformers
 
-from conftest import micro_config, tiered
+from conftest import REPO, micro_config, tiered
 from test_hf import hf_logits, tokens
 from test_hf_families import (assert_import_computes_logits, assert_logits_close, imported,
                               save_hf_model, saved_weights)
+from meshtrain.config import load
 from meshtrain.errors import ConfigError
-from meshtrain.hf import float8, load
+from meshtrain.hf import float8, load as hf_load
+from meshtrain.hf.load import check_model
 from meshtrain.hf.exporter import export_hf
 from meshtrain.train.resume import import_hf
 from meshtrain.train.setup import build
 
 E4M3_MAX = 448.0
+# deepseek-ai/DeepSeek-V3's config.json as published (its float8 blocks included)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280}
 
 
 def _quantized(name: str) -> bool:
@@ -107,7 +129,7 @@ def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, v
   whose shards, and runs of rows read at once, cut blocks in the middle;
   `transformers` refuses blocks that do not divide a matrix, so torch's
   arithmetic is the reference here."""
-  monkeypatch.setattr(load, "READ_BYTES", 40)  # 1 to 3 rows a read
+  monkeypatch.setattr(hf_load, "READ_BYTES", 40)  # 1 to 3 rows a read
   save_hf_model(tmp_path / "float", "deepseek_v3")
   grid_block = block or (128, 128)  # one block covering each of the test model's matrices
   expected = quantize(tmp_path / "float", tmp_path / "fp8", grid_block, values, scales)
@@ -127,12 +149,12 @@ def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, v
       (tmp_path / "float" / "config.json").read_bytes())
   cfg = imported(tmp_path / "float", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
   setup = build(cfg)
-  got, want = (jax.device_get(load.load_params(tmp_path / d, setup.spec.abstract_params,
+  got, want = (jax.device_get(hf_load.load_params(tmp_path / d, setup.spec.abstract_params,
                                           setup.shardings.params, key="--from"))
                for d in ("fp8", "reference"))
   jax.tree.map(np.testing.assert_array_equal, got, want)
   moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), got, jax.device_get(
-      load.load_params(tmp_path / "float", setup.spec.abstract_params, setup.shardings.params,
+      hf_load.load_params(tmp_path / "float", setup.spec.abstract_params, setup.shardings.params,
                   key="--from")))
   assert max(jax.tree.leaves(moved)) > 0  # the float8 rounding is there: the test sees it
 
@@ -165,6 +187,14 @@ def test_the_export_of_a_float8_import_is_a_float_checkpoint(tmp_path):
       tmp_path / "fp8", dtype=torch.float32).eval()
   x = tokens()
   assert_logits_close(hf_logits(reloaded, x), hf_logits(dequantized, x))
+
+
+def test_deepseek_v3s_published_config_is_the_preset(tmp_path):
+  """DeepSeek-V3's config.json, float8 and all, is read (as `init_from=hf:`
+  checks it) as exactly `configs/deepseek_v3.py`'s model."""
+  (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+  assert float8.block_size(check_model(tmp_path, load(str(REPO / "configs/deepseek_v3.py")).model,
+                                       key="--from")) == (128, 128)
 
 
 def _rewrite(directory, edit):
