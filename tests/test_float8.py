@@ -1,9 +1,9 @@
 """Fine-grained float8 checkpoints (DeepSeek-V3's and the Qwen3 "-FP8" models'
 `quantization_config`) import as the weights they stand for: logits equal
 transformers' own dequantization of the same files, blocks cut at a matrix's
-edge and at a shard's equal torch's block arithmetic, the export is a plain
-float checkpoint transformers loads, and what is not fine-grained float8 is
-refused before anything is written."""
+edge and at a shard's equal torch's block arithmetic, the export (float, or
+float8 blocks again) is what transformers and the import read, and what is not
+fine-grained float8 is refused before anything is written."""
 
 import json
 
@@ -57,7 +57,7 @@ def _quantized(name: str) -> bool:
 
 
 def block_scales(weight: torch.Tensor, block) -> torch.Tensor:
-  """Each block's scale by torch: the grid's value times every element of its block."""
+  """A scale grid expanded by torch to one scale per element of each block."""
   return weight.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
 
 
