@@ -27,7 +27,7 @@ from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
-from meshtrain.hf import exporter, importer, load as hf_load
+from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
 from meshtrain.train import resume
 from meshtrain.train.evaluate import evaluate_checkpoint
@@ -354,11 +354,9 @@ def import_hf_command(argv: list[str]) -> None:
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
-    unread = hf_load.layers_not_read(_FROM.value, key="--from")
-    if unread:
-      print(f"note: model.layers.{', '.join(map(str, unread))}, beyond num_hidden_layers "
-            "(DeepSeek-V3's multi-token prediction), not imported: meshtrain trains next-token "
-            "prediction, and an export has none (num_nextn_predict_layers 0)")
+    note = importer.left_out_note(Path(_FROM.value))
+    if note:
+      print(note)
 
 
 def _check_import_flags() -> None:

@@ -15,6 +15,7 @@ from meshtrain import validate, workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
+from meshtrain.hf.load import layers_not_read
 
 HF_CONFIG_FILE = "hf_config.json"  # in a workdir: the imported model's config.json
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -53,3 +54,15 @@ def write_files(cfg, hf: dict, source: Path, workdir: Path, has_tokenizer: bool)
   for name in TOKENIZER_FILES if has_tokenizer else ():
     if (source / name).is_file():
       shutil.copyfile(source / name, workdir / name)
+
+
+def left_out_note(source: Path) -> str | None:
+  """What the import of `source` leaves out, as a note for the user: the
+  layers beyond `num_hidden_layers` (DeepSeek-V3's multi-token prediction);
+  None when it reads everything."""
+  unread = layers_not_read(source, key="--from")
+  if not unread:
+    return None
+  return (f"note: model.layers.{', '.join(map(str, unread))}, beyond num_hidden_layers "
+          "(DeepSeek-V3's multi-token prediction), not imported: meshtrain trains next-token "
+          "prediction, and an export has none (num_nextn_predict_layers 0)")
