@@ -14,8 +14,9 @@ import pytest
 import torch
 from flax import nnx
 
-from conftest import micro_config
+from conftest import REPO, micro_config
 from meshtrain import generate, workdir as saved_run
+from meshtrain.config import load
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
 from meshtrain.train.resume import import_hf
@@ -110,6 +111,15 @@ def test_the_cache_gives_the_forward_logits(changes):
   assert [c.shape for c in cache] == [(cfg.model.num_layers, 2, 12, *w) for w in width]
   np.testing.assert_allclose(np.concatenate(got, axis=1), expected, rtol=1e-5,
                              atol=1e-5 * np.abs(expected).max())
+
+
+def test_deepseek_v3s_cache_holds_576_numbers_a_token_and_layer():
+  """The README's figure: the latent (512) and rotated key (64), against 2 x
+  128 heads x 192 expanded."""
+  model = load(str(REPO / "configs/deepseek_v3.py")).model
+  shapes, _ = generate.cache_shapes(model, rows=1, slots=1)
+  assert [shape[-1] for shape in shapes] == [512, 64]
+  assert [shape[0] for shape in shapes] == [model.num_layers] * 2
 
 
 def test_greedy_equals_transformers_generate_on_an_imported_model(tmp_path):

@@ -24,7 +24,7 @@ from meshtrain import generate, workdir as saved_run
 from meshtrain.config import load
 from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
-from meshtrain.hf import config as hf_config
+from meshtrain.hf import config as hf_config, importer
 from meshtrain.hf.exporter import export_hf
 from meshtrain.hf.load import layers_not_read, load_model_state, load_params
 from meshtrain.train.loop import train
@@ -205,6 +205,7 @@ def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_and_said_so(tmp_p
   layer beyond num_hidden_layers; the import reads the model without it (as
   transformers' model does), names it, and the export says it has none."""
   model = save_hf_model(tmp_path / "hf", "deepseek_v3")
+  assert importer.left_out_note(tmp_path / "hf") is None  # transformers saves no MTP layer
   tensors = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
   last = "model.layers.2."  # the test model's 3 layers; DeepSeek-V3's MTP copies a layer's names
   tensors.update({"model.layers.3." + name[len(last):]: tensor for name, tensor in tensors.items()
@@ -214,6 +215,8 @@ def test_deepseek_v3s_multi_token_prediction_layer_is_left_out_and_said_so(tmp_p
   safetensors.numpy.save_file(tensors, tmp_path / "hf" / "model.safetensors")
   _edit(tmp_path / "hf", num_nextn_predict_layers=1)
   assert layers_not_read(tmp_path / "hf", key="--from") == [3]
+  assert importer.left_out_note(tmp_path / "hf").startswith(
+      "note: model.layers.3, beyond num_hidden_layers (DeepSeek-V3's multi-token prediction)")
   workdir = import_hf(micro_config(), tmp_path / "hf", tmp_path / "imported")
   cfg, params, state = saved_weights(workdir)
   export_hf(cfg, params, workdir, tmp_path / "exported", model_state=state)
