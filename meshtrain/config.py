@@ -72,6 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_mscale = 0.0           # yarn: DeepSeek's mscale (0: unset)
   c.model.rope_mscale_all_dim = 0.0   # yarn: DeepSeek's mscale_all_dim (0: unset)
   c.model.rope_truncate = True        # yarn: round the band of interpolated frequencies to whole dimensions
+  c.model.mtp_layers = 0        # multi-token prediction modules after the model (DeepSeek-V3: 1; docs/moe.md)
+  c.model.mtp_loss_coef = 0.1   # their mean loss's weight in the training loss (DeepSeek-V3: 0.3, later 0.1)
   c.model.mla = ml_collections.ConfigDict()  # Multi-head Latent Attention (DeepSeek-V2/V3; models/mla.py)
   c.model.mla.kv_lora_rank = 0        # the key-value latent's width (DeepSeek-V3: 512; 0: grouped-query attention)
   c.model.mla.q_lora_rank = 0         # the query latent's width (1536; 0: queries projected from x)

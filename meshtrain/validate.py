@@ -94,6 +94,8 @@ RULES: dict[str, Rule] = {
     **{f"model.rope_{name}": at_least(0) for name in (
         "attention_factor", "mscale", "mscale_all_dim")},
     "model.norm_eps": above(0),
+    "model.mtp_layers": at_least(0),
+    "model.mtp_loss_coef": at_least(0),
     **{f"model.moe.{name}": at_least(0) for name in (
         "num_experts", "mlp_dim", "shared_mlp_dim", "first_dense_layers", "aux_loss_coef",
         "bias_update_rate", "capacity_factor")},
@@ -188,6 +190,9 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
        for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
                                         if name != "num_experts")]},
+    "model.mtp_loss_coef": (lambda c, sizes: not c.model.mtp_layers,
+                            "model.mtp_layers is 0, so there is no multi-token prediction loss; "
+                            "set config.model.mtp_layers > 0"),
     **{f"model.mla.{name}": (lambda c, sizes: not c.model.mla.kv_lora_rank,
                              "model.mla.kv_lora_rank is 0, so the attention is grouped-query, "
                              "not latent; set it > 0")

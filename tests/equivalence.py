@@ -21,22 +21,25 @@ from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.setup import build
 
 
-def meshtrain_run(cfg, batches):
+def meshtrain_run(cfg, batches, with_metrics=False):
   """meshtrain's setup, initial weights (and model state), losses and final
-  weights on `batches`; weights and model state as the model holds them
-  (its layers out of an uneven pipeline's slots)."""
+  weights on `batches` (and `with_metrics`, each step's metrics); weights and
+  model state as the model holds them (its layers out of an uneven pipeline's
+  slots)."""
   setup = build(cfg)
   state = setup.init_state()
 
   def model_own(tree):
     return jax.device_get(from_stage_slots(cfg, tree))
   initial, initial_model_state = model_own(state.params), model_own(state.model_state)
-  losses = []
+  logged = []
   for batch in batches:
     global_batch = {k: jax.device_put(v, setup.train_step.batch_sharding) for k, v in batch.items()}
     state, metrics = setup.train_step(state, global_batch)
-    losses.append(float(metrics["loss"]))
-  return setup, (initial, initial_model_state), np.array(losses), model_own(state.params)
+    logged.append(jax.tree.map(float, metrics))
+  run = (setup, (initial, initial_model_state), np.array([m["loss"] for m in logged]),
+         model_own(state.params))
+  return (*run, logged) if with_metrics else run
 
 
 def assert_matches_one_device(cfg, batches, reference_optimizer=None):

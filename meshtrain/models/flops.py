@@ -4,7 +4,8 @@
 widths), which counts training as forward + backward and ignores recomputation. A
 Mixture-of-Experts model touches k of its E routed experts per token: N counts
 k/E of the routed experts' weights (the active parameters), as DeepSeek-V3's
-and Mixtral's reports do."""
+and Mixtral's reports do. Multi-token prediction modules (`mtp_layers`) count
+as layers of attention, and each runs the output head once more."""
 
 import math
 
@@ -46,8 +47,11 @@ def attention_per_token(model_cfg, seq_len: int) -> float:
   its query-key and value head widths (Q and Q, or Multi-head Latent
   Attention's own)."""
   qk, v, _ = mla.widths(model_cfg)
-  return 2 * model_cfg.num_layers * model_cfg.num_heads * (qk + v) * seq_len
+  layers = model_cfg.num_layers + model_cfg.mtp_layers
+  return 2 * layers * model_cfg.num_heads * (qk + v) * seq_len
 
 
 def flops_per_token(model_cfg: LlamaConfig, abstract_params, seq_len: int) -> float:
-  return 6 * matmul_params(model_cfg, abstract_params) + 3 * attention_per_token(model_cfg, seq_len)
+  heads_again = model_cfg.mtp_layers * model_cfg.vocab_size * model_cfg.embed_dim
+  return (6 * (matmul_params(model_cfg, abstract_params) + heads_again)
+          + 3 * attention_per_token(model_cfg, seq_len))

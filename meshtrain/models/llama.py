@@ -74,6 +74,8 @@ class LlamaConfig:
   rope_truncate: bool = True
   moe: MoEConfig = MoEConfig()
   mla: MLAConfig = MLAConfig()
+  mtp_layers: int = 0        # multi-token prediction modules (DeepSeek-V3: 1; `MultiTokenPrediction`)
+  mtp_loss_coef: float = 0.1  # their mean loss's weight in the training loss (DeepSeek-V3: 0.3, then 0.1)
 
   @property
   def rope_scaling(self) -> rope.Llama3Scaling | rope.YarnScaling | None:
@@ -322,7 +324,7 @@ class Block(nnx.Module):
                                                                          slots.attention)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
     if moe:
-      moe_layers = cfg.num_layers - cfg.moe.first_dense_layers
+      moe_layers = cfg.num_layers - cfg.moe.first_dense_layers + cfg.mtp_layers
       self.mlp = MoE(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, slots.experts, slots.token_sum,
                      slots.aux_loss_weight / moe_layers, slots.count_before)
     else:
@@ -440,7 +442,10 @@ class Head(nnx.Module):
                             cfg.embed_dim)
 
   def __call__(self, x_BxLxD: jax.Array, tied_VxD: jax.Array | None = None) -> jax.Array:
-    x_BxLxD = self.final_norm(x_BxLxD)
+    return self.project(self.final_norm(x_BxLxD), tied_VxD)
+
+  def project(self, x_BxLxD: jax.Array, tied_VxD: jax.Array | None = None) -> jax.Array:
+    """The output projection alone, of a normalised `x_BxLxD`."""
     head_DxV = tied_VxD.T if tied_VxD is not None else self.head_DxV[...]
     logits_BxLxV = vocab_logits(x_BxLxD, head_DxV.astype(x_BxLxD.dtype))
     return r.constrain(logits_BxLxV, (r.BATCH, r.LENGTH, r.ACT_VOCAB))
@@ -504,6 +509,35 @@ def default_positions(tokens_BxL: jax.Array, segment_ids_BxL: jax.Array | None) 
   return positions(tokens_BxL) if segment_ids_BxL is None else document_positions(segment_ids_BxL)
 
 
+class MultiTokenPrediction(nnx.Module):
+  """One of DeepSeek-V3's multi-token prediction modules (its report's
+  section 2.2; transformers' `MtpLayer`): at each position, the previous
+  depth's normalised hidden state and the embedding of the token `depth`
+  places ahead, each RMS-normalised, concatenated [embedding | hidden] and
+  projected back to the model width, then one more block and an RMSNorm.
+  The shared embedding and output head turn its output into the logits of
+  the token `depth + 1` places ahead."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
+    d = cfg.embed_dim
+    self.embed_norm = RMSNorm(d, cfg.norm_eps)
+    self.hidden_norm = RMSNorm(d, cfg.norm_eps)
+    self.proj_2DxD = param(rngs, (2 * d, d), (None, r.EMBED), 2 * d)
+    self.block = Block(cfg, rngs, slots, moe=cfg.moe.num_experts > 0)
+    self.norm = RMSNorm(d, cfg.norm_eps)
+
+  def forward(self, h_BxLxD: jax.Array, e_BxLxD: jax.Array, positions_BxL: jax.Array,
+              segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """This depth's normalised hidden state from the previous depth's
+    (`h_BxLxD`) and the embeddings of the tokens it sees (`e_BxLxD`), and its
+    block's routing counts."""
+    x_BxLx2D = jnp.concatenate([self.embed_norm(e_BxLxD), self.hidden_norm(h_BxLxD)], axis=-1)
+    x_BxLxD = r.constrain(weight_matmul("ble,ed->bld", x_BxLx2D, self.proj_2DxD[...]),
+                          (r.BATCH, r.RES_LENGTH, r.ACT_EMBED))
+    x_BxLxD, stats = self.block.forward(x_BxLxD, positions_BxL, segment_ids_BxL)
+    return self.norm(x_BxLxD), stats
+
+
 class Llama(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, slots: Slots = Slots()):
@@ -514,6 +548,26 @@ class Llama(nnx.Module):
     self.dense_layers = stacked_blocks(cfg, rngs, slots, dense, axis_name=None) if dense else None
     self.layers = stacked_blocks(cfg, rngs, slots, cfg.num_layers - dense, moe)
     self.head = Head(cfg, rngs)
+    if cfg.mtp_layers:
+      @nnx.split_rngs(splits=cfg.mtp_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+      def create(rngs: nnx.Rngs) -> MultiTokenPrediction:
+        return MultiTokenPrediction(cfg, rngs, slots)
+      self.mtp = create(rngs)
+
+  def hidden(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """The last block's output [batch, length, embed] (before the final
+    norm) and the routed layers' counts, as `forward` describes them."""
+    x_BxLxD = self.embed(tokens_BxL)
+    run = functools.partial(run_layers, positions_BxL=positions, remat=self.cfg.remat,
+                            segment_ids_BxL=segment_ids, layer_weights=self.slots.layer_weights)
+    if self.dense_layers is not None:
+      x_BxLxD, _ = run(self.dense_layers, x_BxLxD)
+    return run(self.layers, x_BxLxD)
+
+  def _tied(self) -> jax.Array | None:
+    return self.embed.table() if self.cfg.tie_embeddings else None
 
   def forward(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
               positions: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
@@ -523,13 +577,40 @@ class Llama(nnx.Module):
     [batch, length] (0 = padding) keep attention inside each document;
     `positions` (rotary; by default each token's index inside its document)
     restart there."""
-    x_BxLxD = self.embed(tokens_BxL)
-    run = functools.partial(run_layers, positions_BxL=positions, remat=self.cfg.remat,
-                            segment_ids_BxL=segment_ids, layer_weights=self.slots.layer_weights)
-    if self.dense_layers is not None:
-      x_BxLxD, _ = run(self.dense_layers, x_BxLxD)
-    x_BxLxD, stats = run(self.layers, x_BxLxD)
-    return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None), stats
+    x_BxLxD, stats = self.hidden(tokens_BxL, segment_ids, positions)
+    return self.head(x_BxLxD, self._tied()), stats
+
+  def forward_mtp(self, tokens_BxL: jax.Array, ahead_BxLxK: jax.Array,
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+                  ) -> tuple[jax.Array, list[jax.Array], dict | None]:
+    """`forward`'s logits, the multi-token prediction modules' (K =
+    `mtp_layers` of them, each [batch, length, vocab]: depth k's at position
+    i predict the token k + 1 places after it) and the counts of every routed
+    layer, the modules' after the model's. `ahead_BxLxK[:, i, k - 1]` is the
+    token k places after position i (`loss.with_loss_weights`), so nothing
+    here shifts along the length, whatever order or split it comes in."""
+    if positions is None:
+      positions = default_positions(tokens_BxL, segment_ids)
+    x_BxLxD, stats = self.hidden(tokens_BxL, segment_ids, positions)
+    h_BxLxD = self.head.final_norm(x_BxLxD)
+    e_KxBxLxD = jnp.stack([self.embed(ahead_BxLxK[..., k])
+                           for k in range(ahead_BxLxK.shape[-1])])
+    graphdef, mtp_state = nnx.split(self.mtp)
+
+    def depth(h_BxLxD, inputs):
+      state, e_BxLxD = inputs
+      h_BxLxD, stats = nnx.merge(graphdef, state).forward(h_BxLxD, e_BxLxD, positions,
+                                                          segment_ids)
+      return h_BxLxD, (h_BxLxD, stats)
+
+    if self.cfg.remat != "none":
+      depth = jax.checkpoint(depth, policy=REMAT_POLICIES[self.cfg.remat])
+    _, (h_KxBxLxD, mtp_stats) = jax.lax.scan(depth, h_BxLxD, (mtp_state, e_KxBxLxD))
+    tied_VxD = self._tied()
+    if stats is not None:
+      stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
+    return (self.head.project(h_BxLxD, tied_VxD),
+            [self.head.project(h, tied_VxD) for h in h_KxBxLxD], stats)
 
   def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:

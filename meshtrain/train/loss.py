@@ -9,7 +9,19 @@ weighs each token once, on the whole batch, before anything splits it, with
 weights that average 1 over the batch; the mean of `token loss x weight` over
 any equal share of the batch (a microbatch, a replica's rows, one device's
 tokens), averaged over the shares, is then that global mean.
+
+Multi-token prediction (`model.mtp_layers` = K > 0, DeepSeek-V3) adds K more
+means, one per depth k: of predicting the token k + 1 places after each
+position, over the positions whose token that far ahead counts and lies in
+the same document. `with_loss_weights` adds, on the whole batch, each
+position's tokens k places ahead (`mtp_inputs`) and k + 1 places ahead
+(`mtp_targets`) and their weights (`mtp_loss_weights`), all [B, L, K], so
+the model shifts nothing along a length that may come split or reordered.
+The training loss is the next-token mean plus `mtp_loss_coef` times the
+mean of the K depths' (DeepSeek-V3's report, eq. 25).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,18 +69,69 @@ def loss_weights(batch: dict) -> jax.Array | None:
   return counted_BxL * (counted_BxL.size / jnp.maximum(counted_BxL.sum(), 1))
 
 
-def with_loss_weights(batch: dict) -> dict:
-  """`batch` with its `loss_weights`, where some tokens do not count: called on
-  the whole batch, before it is split into microbatches or replicas."""
+def _ahead(x_BxL: jax.Array, k: int, fill) -> jax.Array:
+  """x k places ahead of each position, `fill` past the end."""
+  return jnp.concatenate([x_BxL[:, k:], jnp.full_like(x_BxL[:, :k], fill)], axis=1)
+
+
+def mtp_batch(batch: dict, depth: int) -> dict:
+  """The multi-token prediction's [B, L, depth] arrays of the batch (module
+  docstring), the weights of each depth averaging 1 over the batch."""
+  tokens_BxL1 = jnp.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+  counted_BxL = counted_tokens(batch)
+  if counted_BxL is None:
+    counted_BxL = jnp.ones(batch["targets"].shape, bool)
+  inputs, targets, weights = [], [], []
+  for k in range(1, depth + 1):
+    inputs.append(_ahead(tokens_BxL1, k, 0)[:, :-1])
+    targets.append(_ahead(batch["targets"], k, 0))
+    counted_k_BxL = _ahead(counted_BxL, k, False)
+    if "segment_ids" in batch:
+      counted_k_BxL &= _ahead(batch["segment_ids"], k, 0) == batch["segment_ids"]
+    counted_k_BxL = counted_k_BxL.astype(jnp.float32)
+    weights.append(counted_k_BxL * (counted_k_BxL.size / jnp.maximum(counted_k_BxL.sum(), 1)))
+  stack = functools.partial(jnp.stack, axis=-1)
+  return {"mtp_inputs": stack(inputs).astype(batch["inputs"].dtype),
+          "mtp_targets": stack(targets).astype(batch["targets"].dtype),
+          "mtp_loss_weights": stack(weights)}
+
+
+def with_loss_weights(batch: dict, mtp_depth: int = 0) -> dict:
+  """`batch` with its `loss_weights`, where some tokens do not count, and with
+  `mtp_depth` > 0 its multi-token prediction's (`mtp_batch`): called on the
+  whole batch, before it is split into microbatches or replicas."""
   weights_BxL = loss_weights(batch)
-  return batch if weights_BxL is None else {**batch, "loss_weights": weights_BxL}
+  if weights_BxL is not None:
+    batch = {**batch, "loss_weights": weights_BxL}
+  return {**batch, **mtp_batch(batch, mtp_depth)} if mtp_depth else batch
 
 
 def model_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
   """The loss of `model.forward(inputs, segment_ids=..., positions=...)` on a
   batch (the mean over its counted tokens, or its `loss_weights`), and the
-  counts the model reports (`Llama.forward`'s; {} for none)."""
-  logits_BxLxV, stats = model.forward(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                                      positions=batch.get("positions"))
+  counts the model reports (`Llama.forward`'s; {} for none). A batch with
+  `mtp_inputs` (`with_loss_weights`) adds the multi-token prediction's loss
+  (`Llama.forward_mtp`), and its per-depth sums to the counts:
+  `mtp_loss_sum` (of each token's loss times its weight) and
+  `mtp_weight_sum`, whose ratio over the step is each depth's mean loss."""
+  args = dict(segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+  if "mtp_inputs" not in batch:
+    logits_BxLxV, stats = model.forward(batch["inputs"], **args)
+    return cross_entropy(logits_BxLxV, batch["targets"], loss_weights(batch)), stats or {}
+  logits_BxLxV, mtp_logits, stats = model.forward_mtp(batch["inputs"], batch["mtp_inputs"],
+                                                      **args)
   loss = cross_entropy(logits_BxLxV, batch["targets"], loss_weights(batch))
-  return loss, stats if stats is not None else {}
+  weights_BxLxK = batch["mtp_loss_weights"]
+  sums_K = jnp.stack([jnp.sum(token_losses(logits, batch["mtp_targets"][..., k])
+                              * weights_BxLxK[..., k]) for k, logits in enumerate(mtp_logits)])
+  mtp_loss = jnp.mean(sums_K) / weights_BxLxK[..., 0].size
+  return (loss + model.cfg.mtp_loss_coef * mtp_loss,
+          {**(stats or {}), "mtp_loss_sum": sums_K,
+           "mtp_weight_sum": weights_BxLxK.sum(axis=(0, 1))})
+
+
+def mtp_metrics(stats: dict) -> dict[str, jax.Array]:
+  """`mtp_loss`: the step's mean multi-token prediction loss over its depths."""
+  weights_K = stats["mtp_weight_sum"]
+  return {"mtp_loss": jnp.mean(jnp.where(weights_K > 0, stats["mtp_loss_sum"], 0)
+                               / jnp.maximum(weights_K, 1e-30))}

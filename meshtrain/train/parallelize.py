@@ -28,6 +28,7 @@ from meshtrain.models import mla, moe
 from meshtrain.models.llama import Llama, LlamaConfig, Slots, default_positions
 from meshtrain.parallel import attention, experts, offload, sequence
 from meshtrain.parallel.pipeline.stages import StageLayout
+from meshtrain.train.loss import mtp_metrics
 from meshtrain.train.state import ModelSpec, nnx_spec
 
 Batch = dict[str, jax.Array]
@@ -98,19 +99,32 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
 def llama_spec(model_cfg: LlamaConfig, model_slots: Slots = Slots(), seed: int = 0) -> ModelSpec:
   spec = nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed), slots=model_slots))
   routed = model_cfg.moe
-  if not routed.num_experts:
-    return spec
+  metrics = [functools.partial(moe.metrics, k=routed.experts_per_token)] if routed.num_experts else []
+  if model_cfg.mtp_layers:
+    metrics.append(mtp_metrics)
   update = (functools.partial(_update_biases, routed.bias_update_rate)
-            if routed.bias_update_rate else None)
-  return dataclasses.replace(spec, update_model_state=update,
-                             metrics=functools.partial(moe.metrics, k=routed.experts_per_token))
+            if routed.num_experts and routed.bias_update_rate else None)
+  return dataclasses.replace(
+      spec, update_model_state=update,
+      metrics=(lambda stats: {k: v for fn in metrics for k, v in fn(stats).items()})
+      if metrics else None)
 
 
 def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
-  """The routed layers' selection biases after a step with these counts."""
-  mlp = model_state["layers"]["mlp"]
-  return {**model_state, "layers": {**model_state["layers"], "mlp": {
-      **mlp, "bias_E": moe.update_bias(mlp["bias_E"], stats["load_E"], rate)}}}
+  """The routed layers' selection biases after a step with these counts: the
+  model's layers' first, then its multi-token prediction modules' (`Llama.forward_mtp`)."""
+  def update(mlp: dict, load_LxE: jax.Array) -> dict:
+    return {**mlp, "bias_E": moe.update_bias(mlp["bias_E"], load_LxE, rate)}
+
+  layers = model_state["layers"]
+  routed = len(layers["mlp"]["bias_E"])
+  new = {**model_state, "layers": {**layers, "mlp": update(layers["mlp"],
+                                                           stats["load_E"][:routed])}}
+  if "mtp" in model_state:
+    block = model_state["mtp"]["block"]
+    new["mtp"] = {**model_state["mtp"], "block": {**block, "mlp": update(
+        block["mlp"], stats["load_E"][routed:])}}
+  return new
 
 
 def model_spec(cfg, mesh: Mesh) -> ModelSpec:

@@ -139,6 +139,7 @@ class StepOptions:
                                # backward (`config.offload.params`); it comes in per layer
   replica_sums: bool = True    # with accumulation, each `data` replica may sum its own
                                # gradients (off where the loss needs the whole batch's counts)
+  mtp_depth: int = 0           # the model's multi-token prediction modules (loss.mtp_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +212,7 @@ def train_step(program: Program, state: TrainState, batch: Batch
     state = dataclasses.replace(state, params=jax.device_put(state.params,
                                                              program.compute.params))
   # Weighed once, whole: each microbatch's and replica's share of the mean loss.
-  loss, stats, grads = gradients(program, state, with_loss_weights(batch))
+  loss, stats, grads = gradients(program, state, with_loss_weights(batch, options.mtp_depth))
   if program.offloaded:
     # The optimizer state comes for the update alone: the barrier ties its
     # placement to the gradients, so the forward and backward run without it.

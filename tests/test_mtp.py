@@ -1,0 +1,237 @@
+"""DeepSeek-V3's multi-token prediction (`model.mtp_layers`): training on any
+mesh equals a plain one-device run of a loss written here from the report's
+definition (section 2.2), not from meshtrain's: each depth's module sees the
+previous depth's normalised hidden state and the embedding of the token k
+places ahead, and predicts the token k + 1 places ahead, its loss the mean
+over the positions where that token exists, counts and lies in the same
+document. Hugging Face's modules are checked in tests/test_mtp_hf.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import micro_config, tiered
+from equivalence import meshtrain_run
+from reference import random_batches
+from test_packing import packed_batches
+from meshtrain.models.llama import Llama, default_positions
+from meshtrain.train.loss import model_loss, with_loss_weights
+from meshtrain.train.parallelize import model_config
+
+STEPS = 4
+
+
+def _rms(x, scale, eps):
+  return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _mean_loss(logits_BxLxV, targets_BxL, counted_BxL):
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+  return (losses * counted_BxL).sum() / counted_BxL.sum()
+
+
+def plain_loss(graphdef, params, model_state, batch):
+  """The next-token loss plus mtp_loss_coef x the mean of the depths' losses,
+  each depth's module run over the whole length on the tokens k places ahead
+  (token 0 past the end, as Megatron's rolled inputs have it), its loss
+  counted where the target k + 1 places ahead exists, counts and shares the
+  position's document. The trunk and the block are the model's own
+  (`Llama.hidden`, `Block.forward`); the rest is written here."""
+  model = nnx.merge(graphdef, params, *([model_state] if model_state is not None else []))
+  cfg = model.cfg
+  inputs, targets = batch["inputs"], batch["targets"]
+  length = inputs.shape[1]
+  segments = batch.get("segment_ids")
+  counted = np.ones(targets.shape, bool) if segments is None else segments != 0
+  positions = default_positions(inputs, segments)
+  x = model.hidden(inputs, segment_ids=segments)[0]
+  h = _rms(x, params["head"]["final_norm"]["scale"], cfg.norm_eps)
+  table = params["embed"]["embedding_VxD"]
+  head = table.T if cfg.tie_embeddings else params["head"]["head_DxV"]
+  loss = _mean_loss(h @ head, targets, counted)
+  tokens = jnp.concatenate([inputs, targets[:, -1:]], axis=1)  # t_0 ... t_L
+  block_def, block_states = nnx.split(model.mtp.block)
+  mtp = params["mtp"]
+  depth_losses = []
+  for k in range(1, cfg.mtp_layers + 1):
+    ahead = jnp.pad(tokens[:, k:length + 1], ((0, 0), (0, k - 1)))  # t_{i+k}, 0 past t_L
+    e = table[ahead]
+    m = jax.tree.map(lambda w: w[k - 1], mtp)
+    x = jnp.concatenate([_rms(e, m["embed_norm"]["scale"], cfg.norm_eps),
+                         _rms(h, m["hidden_norm"]["scale"], cfg.norm_eps)], axis=-1)
+    x = x @ m["proj_2DxD"]
+    block = nnx.merge(block_def, jax.tree.map(lambda w: w[k - 1], block_states))
+    x = block.forward(x, positions, segments)[0]
+    h = _rms(x, m["norm"]["scale"], cfg.norm_eps)
+    n = length - k  # positions whose target t_{i+k+1} exists
+    valid = counted[:, k:] & (True if segments is None else segments[:, :n] == segments[:, k:])
+    depth_losses.append(_mean_loss((h @ head)[:, :n], targets[:, k:], valid))
+  return loss + cfg.mtp_loss_coef * jnp.mean(jnp.stack(depth_losses)), jnp.stack(depth_losses)
+
+
+def plain_run(graphdef, params, model_state, optimizer, batches):
+  """Losses, the depths' losses and final weights of plain jitted steps on one device."""
+  device = jax.devices()[0]
+  params = jax.device_put(params, device)
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    (loss, depths), grads = jax.value_and_grad(
+        lambda p: plain_loss(graphdef, p, model_state, batch), has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, depths
+
+  losses, depth_losses = [], []
+  for batch in batches:
+    params, opt_state, loss, depths = step(params, opt_state, jax.device_put(batch, device))
+    losses.append(float(loss))
+    depth_losses.append(np.asarray(depths))
+  return np.array(losses), np.array(depth_losses), jax.device_get(params)
+
+
+# The switch loss's gradient is checked layer by layer in tests/test_moe.py.
+MOE = dict(num_experts=8, experts_per_token=2, mlp_dim=32, shared_mlp_dim=32,
+           first_dense_layers=1, aux_loss_coef=0.0)
+CASES = {
+    "data=8": dict(mesh=dict(data=8)),
+    "fsdp=8 moe": dict(mesh=dict(data=1, fsdp=8), model=dict(moe=MOE)),
+    "fsdp=8 depth 2 tied packed": dict(mesh=dict(data=1, fsdp=8), packed=True,
+                                       model=dict(mtp_layers=2, tie_embeddings=True)),
+    "data=2 fsdp=4 accumulate 2 moe": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2,
+                                           model=dict(moe=MOE)),
+    "data=8 zero1 accumulate 2 remat=full": dict(mesh=dict(data=8), zero_stage=1,
+                                                  grad_accum_steps=2, remat="full"),
+    "tensor=2 fsdp=4 sequence parallel moe": dict(
+        mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True, model=dict(moe=MOE)),
+    **{f"sequence=2 fsdp=4 {strategy} packed": dict(
+        mesh=dict(data=1, fsdp=4, sequence=2), packed=True,
+        attention=dict(sequence_strategy=strategy))
+       for strategy in ("ring", "ulysses", "all_gather_kv")},
+    "expert_parallel=data,fsdp remat=selective": dict(
+        mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp", remat="selective",
+        model=dict(moe=MOE)),
+}
+QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed", "sequence=2 fsdp=4 ring packed")
+
+
+@pytest.mark.parametrize("case", tiered(CASES, QUICK))
+def test_matches_a_plain_one_device_loss(case):
+  """Losses (next-token + 0.3 x the depths'), the logged `mtp_loss` (the
+  depths' mean) and the weights after four steps equal the plain run's; the
+  modules' weights train."""
+  changes = dict(CASES[case])
+  packed = changes.pop("packed", False)
+  cfg = micro_config()
+  cfg.model.mtp_layers, cfg.model.mtp_loss_coef = 1, 0.3
+  cfg.update(changes)
+  make = packed_batches if packed else random_batches
+  batches = make(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+
+  setup, (initial, model_state), losses, params, metrics = meshtrain_run(cfg, batches,
+                                                                         with_metrics=True)
+  ref_losses, ref_depths, ref_params = plain_run(setup.spec.graphdef, initial, model_state or None,
+                                                 setup.optimizer, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose([m["mtp_loss"] for m in metrics], ref_depths.mean(axis=1),
+                             rtol=1e-5, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-5, atol=1e-3 * cfg.optimizer.learning_rate), params, ref_params)
+  moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), params["mtp"], initial["mtp"])
+  assert min(jax.tree.leaves(moved)) > 0, moved
+
+
+def _model(**changes):
+  cfg = micro_config()
+  cfg.model.mtp_layers = 2
+  cfg.update(changes)
+  return Llama(model_config(cfg), rngs=nnx.Rngs(0)), cfg
+
+
+def test_a_position_sees_no_token_beyond_the_one_it_predicts_from():
+  """Depth k's logits at position i change with no token after t_{i+k}: the
+  modules attend causally, and the tail past the batch's end is padding."""
+  model, cfg = _model()
+  tokens = random_batches(2, 2, cfg.seq_len + 4, cfg.model.vocab_size)
+  first, second = ({"inputs": b["inputs"][:, :cfg.seq_len], "targets": b["targets"][:, :cfg.seq_len]}
+                   for b in tokens)
+  cut = 9  # positions >= cut change, from t_cut on
+  changed = {key: np.concatenate([first[key][:, :cut], second[key][:, cut:]], axis=1)
+             for key in first}
+  changed["targets"][:, cut - 1] = second["inputs"][:, cut]
+
+  def logits(batch):
+    ahead = with_loss_weights(batch, cfg.model.mtp_layers)["mtp_inputs"]
+    return model.forward_mtp(batch["inputs"], ahead)[1]
+  for k, (a, b) in enumerate(zip(logits(first), logits(changed)), start=1):
+    np.testing.assert_allclose(a[:, :cut - k], b[:, :cut - k], rtol=1e-6)
+    assert not np.allclose(a[:, cut - k], b[:, cut - k])
+
+
+def test_each_depths_weights_average_one_over_the_counted_positions():
+  """`mtp_loss_weights`: 0 where t_{i+k+1} is past the end, padding or in
+  another document, the others equal and averaging 1 over the batch."""
+  segments = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+  batch = {"inputs": np.arange(16).reshape(2, 8), "targets": np.arange(1, 17).reshape(2, 8),
+           "segment_ids": segments}
+  weighed = with_loss_weights(batch, 2)
+  expected = {1: [[1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]],
+              2: [[1, 0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]}
+  for k, counted in expected.items():
+    counted = np.array(counted, np.float32)
+    np.testing.assert_allclose(weighed["mtp_loss_weights"][..., k - 1],
+                               counted * counted.size / counted.sum())
+    np.testing.assert_array_equal(weighed["mtp_targets"][:, :8 - k, k - 1], batch["targets"][:, k:])
+  np.testing.assert_array_equal(weighed["mtp_inputs"][0, :, 1], [2, 3, 4, 5, 6, 7, 8, 0])
+
+
+def test_the_routed_modules_count_in_the_balance_and_move_their_own_biases():
+  """The module's routed block adds its counts after the model's layers':
+  a uniform router's switch loss is 1 in each, the routed layers' weights in
+  the auxiliary loss (x its coefficient) sum to 1 over the model's and the
+  modules' together, and the bias update moves each layer's biases by its
+  own loads."""
+  from meshtrain.train.parallelize import llama_spec
+  cfg = micro_config()
+  cfg.model.mtp_layers = 2
+  cfg.model.moe.update(num_experts=4, experts_per_token=2, aux_loss_coef=0.5,
+                       bias_update_rate=0.25)
+  spec = llama_spec(model_config(cfg))
+  params, state = spec.init(), spec.init_model_state()
+  for tree in (params["layers"]["mlp"], params["mtp"]["block"]["mlp"]):
+    tree["router_DxE"] = jnp.zeros_like(tree["router_DxE"])  # uniform scores
+  batch = with_loss_weights(random_batches(1, 4, cfg.seq_len, cfg.model.vocab_size)[0], 2)
+  _, stats = model_loss(nnx.merge(spec.graphdef, params, state), batch)
+  assert stats["load_E"].shape == (cfg.model.num_layers + 2, 4)
+  np.testing.assert_allclose(stats["aux_loss"] / stats["forwards"], 1.0, rtol=1e-6)
+  model = nnx.merge(spec.graphdef, params, state)
+  routed = cfg.model.num_layers - cfg.model.moe.first_dense_layers
+  assert routed * model.layers.mlp.aux_weight + 2 * model.mtp.block.mlp.aux_weight == 1
+  new = spec.update_model_state(state, stats)
+  for old, now, loads in ((state["layers"], new["layers"], stats["load_E"][:2]),
+                          (state["mtp"]["block"], new["mtp"]["block"], stats["load_E"][2:])):
+    step = 0.25 * np.sign(loads.mean(-1, keepdims=True) - loads)
+    np.testing.assert_allclose(now["mlp"]["bias_E"], old["mlp"]["bias_E"] + step)
+
+
+def test_model_flops_grow_with_a_module_as_the_compiled_step_does():
+  """`flops.flops_per_token` counts a module as a layer of attention, its
+  block's and projection's weights and one more output head: its growth from
+  none to two modules is the compiled step's (its dot FLOPs, forward and
+  backward, over the batch's tokens)."""
+  from meshtrain.analysis import compiled_flops
+  from meshtrain.analysis.plan import compile_step
+  from meshtrain.models import flops
+  from meshtrain.train.setup import build
+
+  def counts(depth):
+    cfg = micro_config(**{"model.mtp_layers": depth})
+    setup = build(cfg, jax.devices()[:1])
+    model = flops.flops_per_token(model_config(cfg), setup.spec.abstract_params, cfg.seq_len)
+    tokens = cfg.global_batch * cfg.seq_len
+    return model * tokens, compiled_flops.dot_flops(compile_step(setup))
+  (model_0, compiled_0), (model_2, compiled_2) = counts(0), counts(2)
+  assert model_2 - model_0 == pytest.approx(compiled_2 - compiled_0, rel=1e-3)
