@@ -3,7 +3,7 @@ Latent Attention without a query latent (key-value latent 512, heads of 128 +
 64 rotated dimensions, YaRN RoPE as its config.json sets it), 64 routed
 experts and 2 shared, top-6 by softmax, the weights not renormalised, the
 first layer dense (the `deepseek_v2` family); the training settings of the
-DeepSeek-V3 preset, without its selection bias."""
+DeepSeek-V3 preset, without its selection bias and multi-token prediction."""
 
 from pathlib import Path
 
@@ -19,4 +19,5 @@ def get_config():
                      first_dense_layers=1, router="softmax", normalize_top_k=False,
                      expert_groups=1, groups_per_token=0, route_scale=1.0, bias_update_rate=0.0,
                      aux_loss_coef=0.001)
+  c.model.mtp_layers = 0
   return c

@@ -3,9 +3,9 @@ Attention (query latent 1536, key-value latent 512, heads of 128 + 64 rotated
 dimensions, YaRN RoPE as its config.json sets it), 256 routed experts and 1
 shared, top-8 by sigmoid scores from the token's best 4 of 8 groups of
 experts, the first 3 layers dense, auxiliary-loss-free balancing (a selection
-bias moved by 1e-3 a step) with a small switch loss; planning (`meshtrain
-plan --search`). Its multi-token prediction module (14B more) is not part of
-the model here, as it is not of transformers'."""
+bias moved by 1e-3 a step) with a small switch loss, and one multi-token
+prediction module (its loss weighed 0.1, as in the last 4.8T tokens of its
+training; 0.3 before); planning (`meshtrain plan --search`)."""
 
 from meshtrain.config import get_config as base_config
 
@@ -21,6 +21,7 @@ def get_config():
                      first_dense_layers=3, router="sigmoid", normalize_top_k=True,
                      expert_groups=8, groups_per_token=4,  # n_group, topk_group
                      route_scale=2.5, bias_update_rate=1e-3, aux_loss_coef=1e-4)
+  c.model.mtp_layers = 1  # model.mtp_loss_coef: 0.1 by default
   c.global_batch = 15_360
   c.seq_len = 4096
   c.optimizer.learning_rate = 2.2e-4

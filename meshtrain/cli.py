@@ -354,7 +354,7 @@ def import_hf_command(argv: list[str]) -> None:
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
-    note = importer.left_out_note(Path(_FROM.value))
+    note = importer.left_out_note(Path(_FROM.value), cfg.model.mtp_layers)
     if note:
       print(note)
 

@@ -131,6 +131,10 @@ CASES = [
                "--config.model.moe.shared_mlp_dim=7"], "config.model.moe.shared_mlp_dim"),
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.shared_gate=true"],
      "config.model.moe.shared_gate"),  # no shared expert to gate
+    ("train", ["--config.model.mtp_layers=-1"], "config.model.mtp_layers"),
+    ("train", ["--config.model.mtp_loss_coef=0.3"], "config.model.mtp_loss_coef"),  # no modules
+    ("train", ["--config.model.mtp_layers=1", "--config.model.mtp_loss_coef=-0.1"],
+     "config.model.mtp_loss_coef"),
     # optimizer, local SGD, loss scaling, evaluation, RoPE scaling, tokenizer
     ("train", ["--config.optimizer.name=adamx"], "config.optimizer.name"),
     ("train", ["--config.optimizer.momentum=0.5"], "config.optimizer.momentum"),  # adamw's

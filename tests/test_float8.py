@@ -65,6 +65,17 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,  # Qwen3's
                 "ue8m0": torch.float8_e8m0fnu}  # power-of-two bytes
 
 
+def write_reference(tmp_path, expected: dict) -> None:
+  """`tmp_path / "reference"`: the float checkpoint in `tmp_path / "float"`
+  with `expected` (torch's dequantized tensors) in place of its own."""
+  reference = safetensors.torch.load_file(tmp_path / "float" / "model.safetensors")
+  (tmp_path / "reference").mkdir()
+  safetensors.torch.save_file({**reference, **expected},
+                              tmp_path / "reference" / "model.safetensors")
+  (tmp_path / "reference" / "config.json").write_bytes(
+      (tmp_path / "float" / "config.json").read_bytes())
+
+
 def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, scales="float32"):
   """`source`'s model as a fine-grained float8 checkpoint in `out`, written
   with torch, its scales in `scales` (SCALE_DTYPES). Returns each quantized
@@ -141,12 +152,7 @@ def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, v
     safetensors.torch.save_file({name: t.reshape(1) if name.endswith("_scale_inv") else t
                                  for name, t in tensors.items()},
                                 tmp_path / "fp8" / "model.safetensors")
-  reference = safetensors.torch.load_file(tmp_path / "float" / "model.safetensors")
-  (tmp_path / "reference").mkdir()
-  safetensors.torch.save_file({**reference, **expected},
-                              tmp_path / "reference" / "model.safetensors")
-  (tmp_path / "reference" / "config.json").write_bytes(
-      (tmp_path / "float" / "config.json").read_bytes())
+  write_reference(tmp_path, expected)
   cfg = imported(tmp_path / "float", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
   setup = build(cfg)
   got, want = (jax.device_get(hf_load.load_params(tmp_path / d, setup.spec.abstract_params,

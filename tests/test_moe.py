@@ -491,13 +491,19 @@ def test_the_moe_presets_have_their_published_total_and_active_parameters(preset
   Qwen3-30B-A3B's 3.3B active is 3.35B counted, V2-Lite's 2.4B 2.45B), Qwen1.5-MoE-A2.7B's gated
   shared expert and q/k/v biases included, DeepSeek's latent attention too.
   DeepSeek's active counts leave out the input embedding (a lookup, not a
-  matmul: V2-Lite's 2.4B is 2.66B with it, 2.45B without)."""
+  matmul: V2-Lite's 2.4B is 2.66B with it, 2.45B without), and DeepSeek-V3's
+  leave out its multi-token prediction module: with it, and the copies of
+  the embedding and the head its checkpoint holds, the card's total is 685B."""
   cfg = load(REPO / "configs" / f"{preset}.py")
+  with_modules = plan(cfg, 64, False)["parameters"] if cfg.model.mtp_layers else None
+  cfg.model.mtp_layers = 0
   report = plan(cfg, 64, False)
   embedding = cfg.model.vocab_size * cfg.model.embed_dim
   assert report["parameters"] == pytest.approx(total, rel=0.025)
   assert report["active_parameters"] - (not lookup) * embedding == pytest.approx(active,
                                                                                  rel=0.025)
+  if with_modules:
+    assert with_modules + 2 * embedding == pytest.approx(685e9, rel=0.005)
 
 
 def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_no_expert():

@@ -111,11 +111,22 @@ CASES = {
         mesh=dict(data=1, fsdp=4, sequence=2), packed=True,
         attention=dict(sequence_strategy=strategy))
        for strategy in ("ring", "ulysses", "all_gather_kv")},
+    "pipeline=2 fsdp=4 1f1b moe": dict(
+        mesh=dict(data=1, pipeline=2, fsdp=4), pipeline=dict(microbatches=2),
+        model=dict(num_layers=3, moe=MOE)),
+    "pipeline=2 data=2 sequence=2 zb_h2 ulysses tied packed": dict(
+        mesh=dict(data=2, pipeline=2, sequence=2), packed=True,
+        pipeline=dict(schedule="zb_h2", microbatches=4),
+        attention=dict(sequence_strategy="ulysses"), model=dict(tie_embeddings=True)),
+    "pipeline=2 data=4 interleaved depth 2 accumulate 2": dict(
+        mesh=dict(data=4, pipeline=2), grad_accum_steps=2, model=dict(num_layers=4, mtp_layers=2),
+        pipeline=dict(schedule="interleaved_1f1b", microbatches=2, virtual_stages=2)),
     "expert_parallel=data,fsdp remat=selective": dict(
         mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp", remat="selective",
         model=dict(moe=MOE)),
 }
-QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed", "sequence=2 fsdp=4 ring packed")
+QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed", "sequence=2 fsdp=4 ring packed",
+         "pipeline=2 fsdp=4 1f1b moe")
 
 
 @pytest.mark.parametrize("case", tiered(CASES, QUICK))
@@ -156,7 +167,7 @@ def test_a_position_sees_no_token_beyond_the_one_it_predicts_from():
   modules attend causally, and the tail past the batch's end is padding."""
   model, cfg = _model()
   tokens = random_batches(2, 2, cfg.seq_len + 4, cfg.model.vocab_size)
-  first, second = ({"inputs": b["inputs"][:, :cfg.seq_len], "targets": b["targets"][:, :cfg.seq_len]}
+  first, second = ({key: b[key][:, :cfg.seq_len] for key in ("inputs", "targets")}
                    for b in tokens)
   cut = 9  # positions >= cut change, from t_cut on
   changed = {key: np.concatenate([first[key][:, :cut], second[key][:, cut:]], axis=1)
@@ -235,3 +246,25 @@ def test_model_flops_grow_with_a_module_as_the_compiled_step_does():
     return model * tokens, compiled_flops.dot_flops(compile_step(setup))
   (model_0, compiled_0), (model_2, compiled_2) = counts(0), counts(2)
   assert model_2 - model_0 == pytest.approx(compiled_2 - compiled_0, rel=1e-3)
+
+
+def test_the_tables_gradient_is_reduce_scattered_as_planned_not_all_reduced_whole():
+  """Read from the compiled step of fsdp=8: the embedding table, looked up
+  for the tokens ahead as well, gets its gradient reduce-scattered to its
+  shards (the bytes `meshtrain plan` counts); no all-reduce carries a
+  table (XLA all-reduced both lookups' whole, 2 x V x D, before
+  `Embed.table` pinned the gradient's layout)."""
+  from conftest import step_collectives
+  from meshtrain.analysis import hlo
+  from meshtrain.analysis.plan import compile_step, plan
+  from meshtrain.train.setup import build
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": 1})
+  setup = build(cfg)
+  compiled = compile_step(setup)
+  table = f"[{cfg.model.vocab_size},{cfg.model.embed_dim}]"
+  reduced = [i.shape for i in hlo._parse_module(compiled.as_text()).instructions()
+             if i.opcode.startswith("all-reduce")]
+  assert reduced and not [s for s in reduced if table in s], reduced
+  measured = step_collectives(compiled, setup.mesh)
+  planned = {(c["kind"], c["axis"]): c for c in plan(cfg, 8, False)["collectives"]}
+  assert measured["reduce-scatter", "fsdp"]["bytes"] == planned["reduce-scatter", "fsdp"]["bytes"]

@@ -41,7 +41,7 @@ def llama(num_layers: int):
     return nnx.merge(layers_def, p)(x_BxLxD, positions(x_BxLxD)), {}
 
   def loss_fn(p, x_BxLxD, aux):
-    return cross_entropy(nnx.merge(head_def, p)(x_BxLxD), aux["targets"])
+    return cross_entropy(nnx.merge(head_def, p)(x_BxLxD), aux["targets"]), {}
 
   fns = dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn)
   return fns, state.to_pure_dict(), r.logical_names(state), graphdef
@@ -107,8 +107,8 @@ def run_sharded(schedule, mesh, num_layers, batch, batch_axes=(), layout=None):
 
 
 def assert_matches(got, want):
-  (loss, grads, stats), (want_loss, want_grads) = got, want
-  assert stats == {}  # the dense layers report no counts
+  (loss, grads, stats, head_stats), (want_loss, want_grads) = got, want
+  assert stats == head_stats == {}  # the dense layers and the head report no counts
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   def close(path, g, w):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))),
@@ -138,15 +138,15 @@ def test_uneven_stages_match_plain_gradients(name, counts):
   each layer runs once per microbatch (the empty slots never)."""
   layout = StageLayout(counts, 4)
   schedule = sched.build(name, 4, 4, layout.num_chunks)
-  (loss, grads, stats), _ = run_sharded(schedule, mesh_of(pipeline=4, data=2), sum(counts),
-                                        BATCH, layout=layout)
+  (loss, grads, stats, head_stats), _ = run_sharded(
+      schedule, mesh_of(pipeline=4, data=2), sum(counts), BATCH, layout=layout)
   live = np.zeros(len(counts) * layout.slots, bool)
   live[layout.slot_of_layer()] = True
   np.testing.assert_array_equal(stats["runs"], np.where(live, 4.0, 0.0))
   for g in jax.tree.leaves(grads["layers"]):
     assert not np.any(np.asarray(g)[~live])
   grads = {**grads, "layers": layout.from_slots(grads["layers"])}
-  assert_matches((loss, grads, {}), reference(sum(counts)))
+  assert_matches((loss, grads, {}, head_stats), reference(sum(counts)))
 
 
 def test_manual_data_reduces_gradients_once_after_the_ticks():

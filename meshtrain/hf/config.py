@@ -17,7 +17,8 @@ families meshtrain's one decoder covers (`FAMILIES`):
              (`first_k_dense_replace`)
   deepseek_v3  the same attention and layers, sigmoid routing over expert
              groups with the selection bias (`e_score_correction_bias`, model
-             state)
+             state), and multi-token prediction modules
+             (`num_nextn_predict_layers`; `mtp_layers`)
 
 Anything else a config asks for (another `model_type`, a `rope_type` other
 than default, llama3 or yarn, biases elsewhere, Qwen's per-layer sliding window,
@@ -28,7 +29,10 @@ settings: `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters`
 
 The switch loss's coefficient is a training choice, not the model's shape:
 import leaves `model.moe.aux_loss_coef` as configured (transformers'
-`router_aux_loss_coef` is k times meshtrain's, docs/moe.md).
+`router_aux_loss_coef` is k times meshtrain's, docs/moe.md). So is training
+DeepSeek-V3's multi-token prediction modules: `model.mtp_layers` stays as
+configured, up to the number the checkpoint holds (`mtp_layers`), and the
+export writes it as `num_nextn_predict_layers`.
 """
 
 import json
@@ -45,6 +49,7 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM"}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+MTP_FAMILY = "deepseek_v3"  # the one family with multi-token prediction modules
 TOPK_METHODS = ("greedy", "group_limited_greedy")  # DeepSeek-V2's, both in transformers
 # No RoPE scaling: every scaling key at its default.
 ROPE_DEFAULTS = {key: value for key, value in get_config().model.items()
@@ -91,6 +96,7 @@ def read(directory, *, key: str) -> dict:
                       "does not implement")
   try:
     model_keys(hf)
+    mtp_layers(hf)
   except KeyError as error:
     raise ConfigError(key, f"{file} has no {error} field; a {family} config needs it") from None
   except (TypeError, ValueError, ArithmeticError) as error:
@@ -196,6 +202,13 @@ def model_keys(hf: dict) -> dict:
   return keys
 
 
+def mtp_layers(hf: dict) -> int:
+  """How many multi-token prediction modules the checkpoint of config.json
+  `hf` holds (DeepSeek-V3's `num_nextn_predict_layers`; none in the other
+  families)."""
+  return int(hf.get("num_nextn_predict_layers") or 0) if hf["model_type"] == MTP_FAMILY else 0
+
+
 def family(model) -> str:
   """The Hugging Face `model_type` that writes `config.model`, or a
   ConfigError naming what no family has."""
@@ -236,6 +249,9 @@ def family(model) -> str:
     odd = ["model.qkv_bias=True with model.qk_norm=True"] if both else []
   if model.sliding_window and name not in ("mistral", "mixtral"):
     odd.append(f"model.sliding_window={model.sliding_window} (only Mistral's family has one)")
+  if model.mtp_layers and name != MTP_FAMILY:
+    odd.append(f"model.mtp_layers={model.mtp_layers} (multi-token prediction: only "
+               "DeepSeek-V3's family has it)")
   if odd:
     raise ConfigError("config.model", f"{', '.join(odd)}: no Hugging Face family meshtrain "
                       f"writes has this model ({', '.join(FAMILIES)})")
@@ -279,9 +295,10 @@ def to_hf(model, dtype: str, source: dict | None = None) -> dict:
               num_experts_per_tok=moe.experts_per_token, moe_intermediate_size=width,
               n_shared_experts=moe.shared_mlp_dim // width, routed_scaling_factor=moe.route_scale,
               norm_topk_prob=moe.normalize_top_k, first_k_dense_replace=moe.first_dense_layers)
-    if name == "deepseek_v3":  # no multi-token prediction layer: meshtrain trains none
+    if name == "deepseek_v3":
       hf.update(rope_interleave=model.mla.rope_interleave, n_group=moe.expert_groups,
-                topk_group=moe.groups_per_token or moe.expert_groups, num_nextn_predict_layers=0)
+                topk_group=moe.groups_per_token or moe.expert_groups,
+                num_nextn_predict_layers=model.mtp_layers)
     elif moe.groups_per_token:
       hf.update(topk_method="group_limited_greedy", n_group=moe.expert_groups,
                 topk_group=moe.groups_per_token)

@@ -12,7 +12,11 @@ tokenizer files, so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)
 loads it. Weights are gathered one meshtrain tensor at a time and written one
 shard at a time. `float8` writes the projection matrices as DeepSeek-V3
 publishes its own (`meshtrain.hf.float8`: e4m3 values and a float32 scale per
-128 x 128 block, `quantization_config`), the rest in bfloat16.
+128 x 128 block, `quantization_config`), the rest in bfloat16. DeepSeek-V3's
+multi-token prediction modules (`model.mtp_layers`; no other family has
+them, and a model with them exports as no other) are written as its
+checkpoint holds them, copies of the embedding and head included
+(`meshtrain.hf.weights`), and `num_nextn_predict_layers` counts them.
 """
 
 import json
@@ -34,20 +38,22 @@ from meshtrain.errors import ConfigError, reading
 from meshtrain.hf import config as hf_config, float8
 from meshtrain.hf.importer import HF_CONFIG_FILE, TOKENIZER_FILES
 from meshtrain.hf.load import INDEX_FILE, SINGLE_FILE
-from meshtrain.hf.weights import hf_weights
+from meshtrain.hf.weights import hf_weights, mtp_copies
 from meshtrain.models.patterns import path_string
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
           "float8": ml_dtypes.bfloat16}  # float8: what is not quantized
 
 
-def _leaves(params, model_state, weights: dict) -> list[tuple[object, jax.Array]]:
-  """(the HF tensors' mapping, leaf) of every weight, then of the model state
-  the family keeps (DeepSeek-V3's selection biases; the others keep none)."""
+def _leaves(params, model_state, weights: dict, copies: dict) -> list[tuple[list, jax.Array]]:
+  """(the HF tensors' mappings, leaf) of every weight: its own, then the
+  copies of it the checkpoint keeps (`copies`: `mtp_copies`); then of the
+  model state the family keeps (DeepSeek-V3's selection biases; the others
+  keep none)."""
   state = jax.tree_util.tree_flatten_with_path(model_state)[0] if model_state is not None else []
-  return ([(weights[path_string(path)], leaf)
+  return ([([weights[path_string(path)], *copies.get(path_string(path), ())], leaf)
            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
-          + [(weights[path_string(path)], leaf) for path, leaf in state
+          + [([weights[path_string(path)]], leaf) for path, leaf in state
              if path_string(path) in weights])
 
 
@@ -55,26 +61,28 @@ def _hf_tensors(leaves, dtype: str) -> Iterator[list[tuple[str, np.ndarray]]]:
   """Each HF tensor in Hugging Face layout as the (name, array) pairs written
   for it (a float8 matrix: its values and its scales), one gathered meshtrain
   weight at a time."""
-  for weight, leaf in leaves:
+  for mappings, leaf in leaves:
     value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    for lead, name in weight.names(value.shape):
-      tensor = weight.to_hf(value[lead])
-      if dtype == "float8" and float8.quantized_on_export(name, tensor.ndim):
-        values, scales = float8.quantize(tensor)
-        yield [(name, values), (name + float8.SCALE_SUFFIX, scales)]
-      else:
-        yield [(name, tensor.astype(DTYPES[dtype]))]
+    for weight in mappings:
+      for lead, name in weight.names(value.shape):
+        tensor = weight.to_hf(value[lead])
+        if dtype == "float8" and float8.quantized_on_export(name, tensor.ndim):
+          values, scales = float8.quantize(tensor)
+          yield [(name, values), (name + float8.SCALE_SUFFIX, scales)]
+        else:
+          yield [(name, tensor.astype(DTYPES[dtype]))]
 
 
 def _shard_sizes(leaves, dtype: str, max_shard_bytes: int) -> list[int]:
   """How many HF tensors each shard holds, filling shards in order up to the limit."""
   sizes = []
-  for weight, leaf in leaves:
-    names = [name for _, name in weight.names(leaf.shape)]
-    inner = leaf.shape[weight.stacked_dims:]
-    ndim = len(weight.hf_shape(inner))
-    sizes += [math.prod(inner) * (1 if dtype == "float8" and float8.quantized_on_export(
-        name, ndim) else np.dtype(DTYPES[dtype]).itemsize) for name in names]
+  for mappings, leaf in leaves:
+    for weight in mappings:
+      names = [name for _, name in weight.names(leaf.shape)]
+      inner = leaf.shape[weight.stacked_dims:]
+      ndim = len(weight.hf_shape(inner))
+      sizes += [math.prod(inner) * (1 if dtype == "float8" and float8.quantized_on_export(
+          name, ndim) else np.dtype(DTYPES[dtype]).itemsize) for name in names]
   counts, used = [0], 0
   for size in sizes:
     if counts[-1] and used + size > max_shard_bytes:
@@ -130,8 +138,9 @@ def export_hf(cfg, params, workdir, directory, *, model_state=None, dtype: str =
   own_family = hf_config.family(cfg.model)
   family = (source or {}).get("model_type") or own_family
   weights = hf_weights(family, cfg.model.moe.first_dense_layers if cfg.model.moe.num_experts
-                       else 0)
-  leaves = _leaves(params, model_state, weights)
+                       else 0, num_layers=cfg.model.num_layers)
+  leaves = _leaves(params, model_state, weights,
+                   mtp_copies(cfg.model.num_layers, cfg.model.mtp_layers))
   counts = _shard_sizes(leaves, dtype, max_shard_bytes)
   names = ([SINGLE_FILE] if len(counts) == 1 else
            [f"model-{i + 1:05d}-of-{len(counts):05d}.safetensors" for i in range(len(counts))])

@@ -30,8 +30,11 @@ EXPORT_BLOCK = (128, 128)  # DeepSeek-V3's blocks
 EXPORT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                  "weight_block_size": list(EXPORT_BLOCK)}
 # HF tensors kept in bfloat16 by a float8 export, as DeepSeek-V3's checkpoint
-# keeps them: the embedding, the output head and the routers (and every vector)
-_NOT_QUANTIZED = ("embed_tokens.", "lm_head.", ".gate.weight", "shared_expert_gate.")
+# keeps them: the embedding, the output head and the routers (and every
+# vector); of a multi-token prediction module, its projection `eh_proj` and
+# its copies of the embedding and head (its block's projections are float8)
+_NOT_QUANTIZED = ("embed_tokens.", "lm_head.", ".gate.weight", "shared_expert_gate.",
+                  ".eh_proj.", ".shared_head.head.")
 
 
 def unsupported(quantization: object) -> list[str]:

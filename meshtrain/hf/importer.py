@@ -15,7 +15,7 @@ from meshtrain import validate, workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
-from meshtrain.hf.load import layers_not_read
+from meshtrain.hf.load import check_mtp_layers, layers_not_read
 
 HF_CONFIG_FILE = "hf_config.json"  # in a workdir: the imported model's config.json
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -28,7 +28,9 @@ def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
   model, workdir and tokenizer for the import. `cfg` is one that
   `validate.check_config` passed (the CLI checks it before); with the model
   set, its values are checked again, a failure there being the model's. Returns
-  the source's config and whether it has a tokenizer."""
+  the source's config and whether it has a tokenizer. `cfg`'s own
+  `model.mtp_layers` stays: how many of the source's multi-token prediction
+  modules (at most all) the run imports and trains."""
   hf = hf_config.read(source, key="--from")
   run = (workdir / "checkpoints").exists() or (workdir / "config.json").exists()
   saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
@@ -38,6 +40,7 @@ def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
   except (ConfigError, TypeError) as error:  # TypeError: a value of the wrong type
     raise ConfigError("--from", f"{source / hf_config.CONFIG_FILE} does not make a model "
                       f"meshtrain runs ({error})") from None
+  check_mtp_layers(source, hf, cfg.model.mtp_layers)
   cfg.workdir = str(workdir)
   has_tokenizer = (source / tokenizers.TOKENIZER_FILE).is_file()
   if has_tokenizer:
@@ -56,13 +59,15 @@ def write_files(cfg, hf: dict, source: Path, workdir: Path, has_tokenizer: bool)
       shutil.copyfile(source / name, workdir / name)
 
 
-def left_out_note(source: Path) -> str | None:
-  """What the import of `source` leaves out, as a note for the user: the
-  layers beyond `num_hidden_layers` (DeepSeek-V3's multi-token prediction);
-  None when it reads everything."""
-  unread = layers_not_read(source, key="--from")
+def left_out_note(source: Path, mtp_layers: int = 0) -> str | None:
+  """What the import of `source` with `mtp_layers` (`config.model`'s) leaves
+  out, as a note for the user: the layers beyond `num_hidden_layers` and
+  those modules (DeepSeek-V3's multi-token prediction); None when it reads
+  everything."""
+  unread = layers_not_read(source, mtp_layers, key="--from")
   if not unread:
     return None
   return (f"note: model.layers.{', '.join(map(str, unread))}, beyond num_hidden_layers "
-          "(DeepSeek-V3's multi-token prediction), not imported: meshtrain trains next-token "
-          "prediction, and an export has none (num_nextn_predict_layers 0)")
+          f"(DeepSeek-V3's multi-token prediction), not imported: config.model.mtp_layers is "
+          f"{mtp_layers}; set it to {mtp_layers + len(unread)} to import and train them (an "
+          "export writes num_nextn_predict_layers = config.model.mtp_layers)")

@@ -160,7 +160,8 @@ def _tensors(directory, key: str) -> tuple[SafetensorsDir, dict]:
   tensors = SafetensorsDir(directory, key=key, block=float8.block_size(hf))
   dense = hf_config.model_keys(hf)["moe"].get("first_dense_layers", 0)
   fused = f"model.layers.{dense}.{FUSED_GATE_UP}" in tensors.files
-  return tensors, hf_weights(hf["model_type"], dense, fused_experts=fused)
+  return tensors, hf_weights(hf["model_type"], dense, fused_experts=fused,
+                             num_layers=hf["num_hidden_layers"])
 
 
 def _check_shapes(tensors: SafetensorsDir, weights: dict, abstract_params) -> None:
@@ -233,19 +234,31 @@ def _load(tensors: SafetensorsDir, weights: dict, abstract, shardings):
   return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def layers_not_read(directory, *, key: str) -> list[int]:
+def layers_not_read(directory, mtp_layers: int = 0, *, key: str) -> list[int]:
   """The layers the checkpoint in `directory` holds beyond its
-  `num_hidden_layers`, which the import leaves out: DeepSeek-V3's multi-token
-  prediction module (`model.layers.61`), which transformers' model skips too."""
+  `num_hidden_layers` and the `mtp_layers` multi-token prediction modules
+  imported after them, which the import leaves out: DeepSeek-V3's modules
+  (`model.layers.61`) that `config.model.mtp_layers` does not ask for."""
   hf = hf_config.read(directory, key=key)
-  prefix, first = "model.layers.", hf["num_hidden_layers"]
+  prefix, first = "model.layers.", hf["num_hidden_layers"] + mtp_layers
   layers = {name[len(prefix):].split(".", 1)[0] for name in SafetensorsDir(directory, key=key).files
             if name.startswith(prefix)}
   return sorted(int(layer) for layer in layers if layer.isdigit() and int(layer) >= first)
 
 
+def check_mtp_layers(directory, hf: dict, mtp_layers: int) -> None:
+  """`config.model.mtp_layers` asks for no more multi-token prediction modules
+  than the checkpoint in `directory` (config.json `hf`) holds."""
+  held = hf_config.mtp_layers(hf)
+  if mtp_layers > held:
+    raise ConfigError("config.model.mtp_layers", f"is {mtp_layers} but the model in {directory} "
+                      f"has {held} multi-token prediction modules (num_nextn_predict_layers); "
+                      f"set it to {held} or less")
+
+
 def check_model(directory, model_cfg, *, key: str) -> dict:
-  """DIR's config.json, checked against `config.model` (which must describe the same model)."""
+  """DIR's config.json, checked against `config.model` (which must describe the
+  same model, with at most as many multi-token prediction modules)."""
   hf = hf_config.read(directory, key=key)
   keys = hf_config.model_keys(hf)
   flat = {}
@@ -258,4 +271,5 @@ def check_model(directory, model_cfg, *, key: str) -> dict:
     if mine != value:
       raise ConfigError(f"config.model.{name}", f"is {mine!r} but the model in "
                         f"{directory} has {value!r}; set it to {value!r}")
+  check_mtp_layers(directory, hf, model_cfg.mtp_layers)
   return hf

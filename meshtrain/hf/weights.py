@@ -17,6 +17,13 @@ writes it.
 transformers v5 keeps the experts fused in memory (`mlp.experts.gate_up_proj`
 [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); checkpoints saved in that
 layout are read too (`FusedExperts`).
+
+DeepSeek-V3's multi-token prediction modules (`mtp`, stacked on their own
+leading axis) are the checkpoint's layers `num_hidden_layers` onward: each
+one's block under the names of a layer, its norms and projection beside them
+(`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`), and copies of the shared
+embedding and output head (`embed_tokens`, `shared_head.head`), which the
+import leaves unread, as transformers does, and the export writes (`mtp_copies`).
 """
 
 import dataclasses
@@ -161,18 +168,30 @@ _SHARED_EXPERT = {
     "mlp/shared/w_down_FxD": Weight("mlp.shared_expert.down_proj.weight", True, 1),
     "mlp/shared_gate_Dx1": Weight("mlp.shared_expert_gate.weight", True, 1),
 }
+# A multi-token prediction module's own weights (its block's are a layer's),
+# per family that has them; and the copies of the shared embedding and head
+# that the checkpoint keeps with each module.
+_MTP = {"deepseek_v3": {
+    "mtp/embed_norm/scale": Weight("enorm.weight", False, 1),
+    "mtp/hidden_norm/scale": Weight("hnorm.weight", False, 1),
+    "mtp/proj_2DxD": Weight("eh_proj.weight", True, 1),
+    "mtp/norm/scale": Weight("shared_head.norm.weight", False, 1),
+}}
+_MTP_COPIES = {"embed/embedding_VxD": Weight("embed_tokens.weight", False, 1),
+               "head/head_DxV": Weight("shared_head.head.weight", True, 1)}
 FUSED_ROUTER, FUSED_GATE_UP, FUSED_DOWN = ("mlp.gate.weight", "mlp.experts.gate_up_proj",
                                            "mlp.experts.down_proj")
 _LAYER = "model.layers.{layer}."
 
 
-def hf_weights(family: str, first_dense_layers: int = 0,
-               fused_experts: bool = False) -> dict[str, Weight | FusedExperts]:
+def hf_weights(family: str, first_dense_layers: int = 0, fused_experts: bool = False,
+               num_layers: int = 0) -> dict[str, Weight | FusedExperts]:
   """meshtrain parameter (and model state) path -> its Hugging Face tensors,
   for a model of `family` (a `model_type`) whose first `first_dense_layers`
   layers are the `dense_layers` stack; with `fused_experts`, the experts as
-  transformers v5 fuses them. Paths a model does not have are simply not
-  looked up."""
+  transformers v5 fuses them. The multi-token prediction modules (`mtp`,
+  where the family has them) are the HF layers from `num_layers` (the
+  model's) on. Paths a model does not have are simply not looked up."""
   weights = {"embed/embedding_VxD": Weight("model.embed_tokens.weight", False, 1),
              "head/final_norm/scale": Weight("model.norm.weight", False, 1),
              "head/head_DxV": Weight("lm_head.weight", True, 1)}
@@ -191,7 +210,22 @@ def hf_weights(family: str, first_dense_layers: int = 0,
                  "mlp/w_up_ExDxF": FusedExperts(_LAYER + FUSED_GATE_UP, 2, 1),
                  "mlp/w_down_ExFxD": FusedExperts(_LAYER + FUSED_DOWN, 1, 0)}
     layer.update(experts, **{"mlp/router_DxE": Weight(_LAYER + router, True, 1)})
-  for stack, first in (("dense_layers", 0), ("layers", first_dense_layers)):
+  stacks = {"dense_layers": 0, "layers": first_dense_layers}
+  mtp = _MTP.get(family, {})
+  if mtp:  # each module's block: a layer
+    stacks["mtp/block"] = num_layers
+  for stack, first in stacks.items():
     weights.update({f"{stack}/{key}": dataclasses.replace(w, first_layer=first)
                     for key, w in layer.items()})
+  weights.update({key: dataclasses.replace(w, hf_name=_LAYER + w.hf_name, first_layer=num_layers)
+                  for key, w in mtp.items()})
   return weights
+
+
+def mtp_copies(num_layers: int, mtp_layers: int) -> dict[str, list[Weight]]:
+  """meshtrain path -> the copies of it that DeepSeek-V3's checkpoint keeps
+  with each of its `mtp_layers` multi-token prediction modules (layers
+  `num_layers` on): the embedding and the output head, written by the export
+  as the published checkpoint has them. No import reads them."""
+  return {path: [dataclasses.replace(w, hf_name=f"model.layers.{num_layers + k}.{w.hf_name}")
+                 for k in range(mtp_layers)] for path, w in _MTP_COPIES.items()}

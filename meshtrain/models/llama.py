@@ -74,8 +74,8 @@ class LlamaConfig:
   rope_truncate: bool = True
   moe: MoEConfig = MoEConfig()
   mla: MLAConfig = MLAConfig()
-  mtp_layers: int = 0        # multi-token prediction modules (DeepSeek-V3: 1; `MultiTokenPrediction`)
-  mtp_loss_coef: float = 0.1  # their mean loss's weight in the training loss (DeepSeek-V3: 0.3, then 0.1)
+  mtp_layers: int = 0        # multi-token prediction modules (`MultiTokenPrediction`)
+  mtp_loss_coef: float = 0.1  # the weight of their mean loss in the training loss
 
   @property
   def rope_scaling(self) -> rope.Llama3Scaling | rope.YarnScaling | None:
@@ -373,20 +373,21 @@ class Embed(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.dtype = jnp.dtype(cfg.compute_dtype)
-    self.tied = cfg.tie_embeddings
+    self.reused = cfg.tie_embeddings or cfg.mtp_layers > 0  # the head or the modules use it too
     self.embedding_VxD = param(rngs, (cfg.vocab_size, cfg.embed_dim), (r.VOCAB, r.EMBED),
                                cfg.embed_dim)
 
   def table(self) -> jax.Array:
     """The table in its compute layout (`embed` whole, like every weight in a
     matmul): a lookup in a table split along `embed` makes GSPMD reshuffle the
-    looked-up rows through a full replication instead. Tied to the head, its
+    looked-up rows through a full replication instead. Used again (tied to the
+    head, or looking up the multi-token prediction's tokens ahead), its
     gradient is pinned back to the table's own layout (`rules.gathered`):
-    left in this one, XLA all-reduced the lookup's and the head's gradients
-    whole, each, over the axes that split the table, where one reduce-scatter
-    of their sum does (tests/test_plan.py)."""
+    left in this one, XLA all-reduced the uses' gradients whole, each, over
+    the axes that split the table, where a reduce-scatter does
+    (tests/test_plan.py, tests/test_mtp.py)."""
     w_VxD = self.embedding_VxD[...]
-    if self.tied:
+    if self.reused:
       return r.gathered(w_VxD, (r.VOCAB, r.ACT_EMBED), (r.VOCAB, r.EMBED))
     return r.constrain(w_VxD, (r.VOCAB, r.ACT_EMBED))
 
@@ -566,9 +567,6 @@ class Llama(nnx.Module):
       x_BxLxD, _ = run(self.dense_layers, x_BxLxD)
     return run(self.layers, x_BxLxD)
 
-  def _tied(self) -> jax.Array | None:
-    return self.embed.table() if self.cfg.tie_embeddings else None
-
   def forward(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
               positions: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
     """Float32 logits [batch, length, vocab], one per token in the order
@@ -578,41 +576,62 @@ class Llama(nnx.Module):
     `positions` (rotary; by default each token's index inside its document)
     restart there."""
     x_BxLxD, stats = self.hidden(tokens_BxL, segment_ids, positions)
-    return self.head(x_BxLxD, self._tied()), stats
+    return self.head(x_BxLxD, self.embed.table() if self.cfg.tie_embeddings else None), stats
 
   def forward_mtp(self, tokens_BxL: jax.Array, ahead_BxLxK: jax.Array,
                   segment_ids: jax.Array | None = None, positions: jax.Array | None = None
                   ) -> tuple[jax.Array, list[jax.Array], dict | None]:
-    """`forward`'s logits, the multi-token prediction modules' (K =
-    `mtp_layers` of them, each [batch, length, vocab]: depth k's at position
-    i predict the token k + 1 places after it) and the counts of every routed
-    layer, the modules' after the model's. `ahead_BxLxK[:, i, k - 1]` is the
-    token k places after position i (`loss.with_loss_weights`), so nothing
-    here shifts along the length, whatever order or split it comes in."""
+    """`forward`'s logits, the multi-token prediction modules' (`predict_ahead`)
+    and the counts of every routed layer, the modules' after the model's."""
     if positions is None:
       positions = default_positions(tokens_BxL, segment_ids)
     x_BxLxD, stats = self.hidden(tokens_BxL, segment_ids, positions)
-    h_BxLxD = self.head.final_norm(x_BxLxD)
-    e_KxBxLxD = jnp.stack([self.embed(ahead_BxLxK[..., k])
-                           for k in range(ahead_BxLxK.shape[-1])])
-    graphdef, mtp_state = nnx.split(self.mtp)
-
-    def depth(h_BxLxD, inputs):
-      state, e_BxLxD = inputs
-      h_BxLxD, stats = nnx.merge(graphdef, state).forward(h_BxLxD, e_BxLxD, positions,
-                                                          segment_ids)
-      return h_BxLxD, (h_BxLxD, stats)
-
-    if self.cfg.remat != "none":
-      depth = jax.checkpoint(depth, policy=REMAT_POLICIES[self.cfg.remat])
-    _, (h_KxBxLxD, mtp_stats) = jax.lax.scan(depth, h_BxLxD, (mtp_state, e_KxBxLxD))
-    tied_VxD = self._tied()
-    if stats is not None:
-      stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
-    return (self.head.project(h_BxLxD, tied_VxD),
-            [self.head.project(h, tied_VxD) for h in h_KxBxLxD], stats)
+    logits_BxLxV, mtp_logits, mtp_stats = predict_ahead(
+        self.embed, self.head, self.mtp, self.cfg, x_BxLxD, ahead_BxLxK, positions, segment_ids)
+    return logits_BxLxV, mtp_logits, None if stats is None else after_layers(stats, mtp_stats)
 
   def __call__(self, tokens_BxL: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array:
     """The logits of `forward`."""
     return self.forward(tokens_BxL, segment_ids, positions)[0]
+
+
+def predict_ahead(embed: Embed, head: Head, mtp: MultiTokenPrediction, cfg: LlamaConfig,
+                  x_BxLxD: jax.Array, ahead_BxLxK: jax.Array, positions_BxL: jax.Array,
+                  segment_ids_BxL: jax.Array | None = None
+                  ) -> tuple[jax.Array, list[jax.Array], dict | None]:
+  """From the last block's output `x_BxLxD`: the model's logits, the K =
+  `mtp_layers` stacked `mtp` modules' (each [batch, length, vocab]: depth k's
+  at position i predict the token k + 1 places after it) and the modules'
+  routing counts stacked over them (None for dense ones). `ahead_BxLxK[:, i,
+  k - 1]` is the token k places after position i (`loss.mtp_batch`), so
+  nothing here shifts along the length, whatever order or split it comes in."""
+  graphdef, mtp_state = nnx.split(mtp)
+
+  def depth(state, h_BxLxD, ahead_BxL):
+    return nnx.merge(graphdef, state).forward(h_BxLxD, embed(ahead_BxL), positions_BxL,
+                                              segment_ids_BxL)
+
+  if cfg.remat != "none":
+    depth = jax.checkpoint(depth, policy=REMAT_POLICIES[cfg.remat])
+  # A loop, not a scan: differentiated, a scan stacks the residuals of an
+  # expert exchange nested in the pipeline's shard_map, which Shardy refuses.
+  normed_BxLxD = head.final_norm(x_BxLxD)
+  h_BxLxD, hidden, stats = normed_BxLxD, [], []
+  for k in range(cfg.mtp_layers):
+    h_BxLxD, counts = depth(jax.tree.map(lambda w: w[k], mtp_state), h_BxLxD,
+                            ahead_BxLxK[..., k])
+    hidden.append(h_BxLxD)
+    stats.append(counts)
+  tied_VxD = embed.table() if cfg.tie_embeddings else None
+  return (head.project(normed_BxLxD, tied_VxD),
+          [head.project(h, tied_VxD) for h in hidden],
+          None if stats[0] is None else jax.tree.map(lambda *x: jnp.stack(x), *stats))
+
+
+def after_layers(stats: dict, more: dict | None, axis: int = 0) -> dict:
+  """Counts stacked over routed layers (along `axis`) followed by `more`'s
+  (the multi-token prediction modules'); a count only `more` has, as it is."""
+  more = more or {}
+  return {**more, **{key: jnp.concatenate([x, more[key]], axis) if key in more else x
+                     for key, x in stats.items()}}

@@ -120,14 +120,25 @@ def model_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
     return cross_entropy(logits_BxLxV, batch["targets"], loss_weights(batch)), stats or {}
   logits_BxLxV, mtp_logits, stats = model.forward_mtp(batch["inputs"], batch["mtp_inputs"],
                                                       **args)
+  loss, sums = multi_token_loss(logits_BxLxV, mtp_logits, batch, model.cfg.mtp_loss_coef,
+                                model.slots.token_sum)
+  return loss, {**(stats or {}), **sums}
+
+
+def multi_token_loss(logits_BxLxV: jax.Array, mtp_logits: list[jax.Array], batch: dict,
+                     coef: float, token_sum) -> tuple[jax.Array, dict]:
+  """The next-token loss plus `coef` x the mean of the depths' (`mtp_logits`,
+  `mtp_batch`'s targets and weights), and the depths' counts: `mtp_loss_sum`
+  (each token's loss times its weight) and `mtp_weight_sum`, summed by
+  `token_sum` (`Slots.token_sum`: over every token of the batch), whose
+  ratio over a step is each depth's mean loss."""
   loss = cross_entropy(logits_BxLxV, batch["targets"], loss_weights(batch))
   weights_BxLxK = batch["mtp_loss_weights"]
-  sums_K = jnp.stack([jnp.sum(token_losses(logits, batch["mtp_targets"][..., k])
-                              * weights_BxLxK[..., k]) for k, logits in enumerate(mtp_logits)])
-  mtp_loss = jnp.mean(sums_K) / weights_BxLxK[..., 0].size
-  return (loss + model.cfg.mtp_loss_coef * mtp_loss,
-          {**(stats or {}), "mtp_loss_sum": sums_K,
-           "mtp_weight_sum": weights_BxLxK.sum(axis=(0, 1))})
+  losses_BxLxK = jnp.stack([token_losses(logits, batch["mtp_targets"][..., k])
+                            for k, logits in enumerate(mtp_logits)], axis=-1)
+  mtp_loss = jnp.mean(losses_BxLxK * weights_BxLxK)
+  return (loss + coef * mtp_loss, {"mtp_loss_sum": token_sum(losses_BxLxK * weights_BxLxK),
+                                   "mtp_weight_sum": token_sum(weights_BxLxK)})
 
 
 def mtp_metrics(stats: dict) -> dict[str, jax.Array]:

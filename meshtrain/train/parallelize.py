@@ -99,7 +99,8 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
 def llama_spec(model_cfg: LlamaConfig, model_slots: Slots = Slots(), seed: int = 0) -> ModelSpec:
   spec = nnx_spec(lambda: Llama(model_cfg, rngs=nnx.Rngs(seed), slots=model_slots))
   routed = model_cfg.moe
-  metrics = [functools.partial(moe.metrics, k=routed.experts_per_token)] if routed.num_experts else []
+  metrics = ([functools.partial(moe.metrics, k=routed.experts_per_token)]
+             if routed.num_experts else [])
   if model_cfg.mtp_layers:
     metrics.append(mtp_metrics)
   update = (functools.partial(_update_biases, routed.bias_update_rate)

@@ -7,9 +7,11 @@ stage 0 starts at once; the head's matmul and the loss are the largest
 activations ([batch, length, vocab] logits), and on the last stage they never
 cross a stage boundary. Both are replicated over `pipeline` (every stage holds
 them, only one computes); their gradients are summed over `pipeline` once per
-step. Tied embeddings: the head's part of the executor's params holds the
-same table, and its gradient (from the last stage) is added to the lookup's
-(from stage 0).
+step. Tied embeddings, or multi-token prediction (whose modules look up the
+tokens ahead): the head's part of the executor's params holds the same
+table, and its gradient (from the last stage) is added to the lookup's (from
+stage 0). The modules run on the last stage, after the head, with their
+routing counts and loss sums reported as the head's.
 """
 
 from collections.abc import Callable
@@ -20,15 +22,15 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshtrain import rules as r
-from meshtrain.models.llama import REMAT_POLICIES, default_positions, run_layers
+from meshtrain.models.llama import (REMAT_POLICIES, after_layers, default_positions,
+                                    predict_ahead, run_layers)
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout
-from meshtrain.train.loss import cross_entropy, with_loss_weights
+from meshtrain.train.loss import cross_entropy, multi_token_loss, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import ModelSpec, merged
 
-# (params, batch, model state) -> (mean loss, counts, float32 grads); the
-# pipeline's model reports no counts.
+# (params, batch, model state) -> (mean loss, counts, float32 grads).
 GradsFn = Callable[[dict, dict, object], tuple[jax.Array, dict, dict]]
 LossFn = Callable[[dict, dict, object], jax.Array]
 
@@ -39,11 +41,14 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
   The embedding's params are {"embed": ..., "dense": the leading dense
   layers' (an MoE model's `first_dense_layers`), or {}}; a layer's are
   {"params": ..., "state": its model state (the MoE bias), or {}}; the head's
-  {"head": ..., "tied": the embedding's, or {}}."""
+  {"head": ..., "table": the embedding's where the head or the multi-token
+  prediction modules use it, or {}, "mtp": the modules' {"params", "state"},
+  or {}}."""
   model = merged(spec, spec.abstract_params, jax.eval_shape(spec.init_model_state))
-  tied = model.cfg.tie_embeddings
+  cfg = model.cfg
   embed_def, layers_def, head_def = (nnx.graphdef(m) for m in (model.embed, model.layers, model.head))
   dense_def = nnx.graphdef(model.dense_layers) if model.dense_layers is not None else None
+  mtp_def = nnx.graphdef(model.mtp) if cfg.mtp_layers else None
 
   def positions_of(x_BxLxD, aux):
     segment_ids_BxL = aux.get("segment_ids")  # packed documents: attention inside each one
@@ -69,14 +74,31 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
     return block(p, x_BxLxD)
 
   def loss_fn(p, x_BxLxD, aux):
-    table_VxD = nnx.merge(embed_def, p["tied"]).table() if tied else None
-    logits_BxLxV = nnx.merge(head_def, p["head"])(x_BxLxD, table_VxD)
-    return cross_entropy(logits_BxLxV, aux["targets"], aux.get("loss_weights"))
+    head = nnx.merge(head_def, p["head"])
+    if "mtp_inputs" in aux:
+      embed = nnx.merge(embed_def, p["table"])
+      mtp = nnx.merge(mtp_def, p["mtp"]["params"], *([p["mtp"]["state"]] if p["mtp"]["state"]
+                                                     else []))
+      positions_BxL, segment_ids_BxL = positions_of(x_BxLxD, aux)
+      logits_BxLxV, mtp_logits, stats = predict_ahead(embed, head, mtp, cfg, x_BxLxD,
+                                                      aux["mtp_inputs"], positions_BxL,
+                                                      segment_ids_BxL)
+      loss, sums = multi_token_loss(logits_BxLxV, mtp_logits, aux, cfg.mtp_loss_coef,
+                                    model.slots.token_sum)
+      return loss, {**(stats or {}), **sums}
+    table_VxD = nnx.merge(embed_def, p["table"]).table() if cfg.tie_embeddings else None
+    logits_BxLxV = head(x_BxLxD, table_VxD)
+    return cross_entropy(logits_BxLxV, aux["targets"], aux.get("loss_weights")), {}
 
-  return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn), tied
+  return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn)
 
 
-def _weight_specs(spec: ModelSpec, rules: r.Rules, tied: bool) -> dict:
+def _uses_table(spec: ModelSpec) -> bool:
+  """Whether the head's piece holds the embedding table (tied, or multi-token prediction)."""
+  return "mtp" in spec.abstract_params or "head_DxV" not in spec.abstract_params["head"]
+
+
+def _weight_specs(spec: ModelSpec, rules: r.Rules) -> dict:
   """The PartitionSpecs of the executor's params (`_pieces`) under `rules`,
   a layer's without its stacked axis; the model state is replicated."""
   def specs(names, lead=0):  # without `lead` leading dimensions
@@ -87,7 +109,11 @@ def _weight_specs(spec: ModelSpec, rules: r.Rules, tied: bool) -> dict:
   return {"embed": {"embed": specs(names["embed"]), "dense": specs(names.get("dense_layers", {}))},
           "layers": {"params": specs(names["layers"], lead=1),
                      "state": jax.tree.map(lambda _: P(), model_state.get("layers", {}))},
-          "head": {"head": specs(names["head"]), "tied": specs(names["embed"]) if tied else {}}}
+          "head": {"head": specs(names["head"]),
+                   "table": specs(names["embed"]) if _uses_table(spec) else {},
+                   "mtp": {"params": specs(names["mtp"]),
+                           "state": jax.tree.map(lambda _: P(), model_state.get("mtp", {}))}
+                   if "mtp" in names else {}}}
 
 
 def _with_positions(batch: dict) -> dict:
@@ -105,7 +131,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
   `replicas`, local SGD's: params lead with a replica dimension over `data`,
   each replica trains on its rows, loss and grads come back per replica.
   `layout` None: the even split of the model's layers."""
-  pieces, tied = _pieces(spec, remat)
+  pieces, table = _pieces(spec, remat), _uses_table(spec)
   if layout is None:
     layout = StageLayout.even(len(jax.tree.leaves(spec.abstract_params["layers"])[0]),
                               mesh.shape["pipeline"], pipeline_cfg.virtual_stages)
@@ -115,7 +141,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
   batch_axes = ("data",) if mesh.shape["data"] > 1 and not replicas else ()
   length_axis = "sequence" if mesh.shape["sequence"] > 1 else None
   inner_rules = r.without_axis(r.without_axis(rules.params, "data"), "sequence")
-  weight_specs = _weight_specs(spec, inner_rules, tied)
+  weight_specs = _weight_specs(spec, inner_rules)
 
   def run(params, batch, model_state=None):
     if length_axis:
@@ -125,22 +151,26 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
         "embed": {"embed": params["embed"], "dense": params.get("dense_layers", {})},
         "layers": {"params": params["layers"],
                    "state": (model_state or {}).get("layers", {})},
-        "head": {"head": params["head"], "tied": params["embed"] if tied else {}}}
+        "head": {"head": params["head"], "table": params["embed"] if table else {},
+                 "mtp": {"params": params["mtp"], "state": (model_state or {}).get("mtp", {})}
+                 if "mtp" in params else {}}}
     with nnx.logical_axis_rules(inner_rules):
-      loss, grads, stats = runtime.pipeline_loss_and_grads(
+      loss, grads, stats, head_stats = runtime.pipeline_loss_and_grads(
           schedule, mesh, **pieces, params=pieces_params, microbatches=microbatches,
           batch_axes=batch_axes, length_axis=length_axis,
           replica_axis="data" if replicas else None, layout=layout, weight_specs=weight_specs)
     stats = jax.tree.map(jax.vmap(layout.from_slots), stats) if replicas else layout.from_slots(
         stats)
+    stats = after_layers(stats, head_stats, axis=1 if replicas else 0)
     if grads is None:
       return loss, stats, None
     embed_g = grads["embed"]["embed"]
-    if tied:  # one weight, two uses: the lookup's gradient plus the head's
-      embed_g = jax.tree.map(jnp.add, embed_g, grads["head"]["tied"])
+    if table:  # one weight, two uses: the lookup's gradient plus the head's
+      embed_g = jax.tree.map(jnp.add, embed_g, grads["head"]["table"])
     dense = {"dense_layers": grads["embed"]["dense"]} if "dense_layers" in params else {}
+    mtp = {"mtp": grads["head"]["mtp"]["params"]} if "mtp" in params else {}
     return loss, stats, {"embed": embed_g, **dense, "layers": grads["layers"]["params"],
-                         "head": grads["head"]["head"]}
+                         "head": grads["head"]["head"], **mtp}
   return run
 
 

@@ -240,10 +240,6 @@ def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
                       "ring attention cannot run inside the pipeline (its sends would need every "
                       "stage at once); use all_gather_kv (Llama 3's context parallelism) or "
                       "ulysses, or set config.mesh.sequence=1")
-  if cfg.model.mtp_layers:
-    raise ConfigError("config.model.mtp_layers", "the pipeline's last stage computes the "
-                      "next-token loss alone, not the multi-token prediction modules; set it to "
-                      "0 or config.mesh.pipeline=1")
   if cfg.offload.params:
     raise ConfigError("config.offload.params", "the pipeline stages the layers' weights itself; "
                       "set it to False (config.offload.optimizer composes)")

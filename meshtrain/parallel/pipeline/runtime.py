@@ -33,9 +33,12 @@ Model contract (any model, not only Llama):
     the counts it reports beside its output ({} for none; an MoE layer's
     routing counts), which the executor sums per layer over the microbatches;
     a chunk is Lc layers stacked on a leading axis, scanned by the executor
-  loss_fn(head_params, x_BxLxD, aux) -> scalar mean loss
-`aux` is the microbatch's other [B, L] arrays (targets, positions, segment
-ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
+  loss_fn(head_params, x_BxLxD, aux) -> (scalar mean loss, stats): the loss
+    and the counts the head reports (like a layer's, {} for none; the
+    multi-token prediction modules' of a Llama that has them), summed over
+    the microbatches
+`aux` is the microbatch's other [B, L, ...] arrays (targets, positions,
+segment ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
 after the last chunk and seeds the backward with d(loss / M). The pieces run
 inside a partially manual `shard_map`, where XLA's partitioner aborts on some
 gathers (docs/pipeline.md, "Model pieces inside the shard_map").
@@ -279,10 +282,13 @@ class Stage:
 
       def head(state):
         if not self.head:
-          return {**state, "loss": state["loss"] + self.loss_fn(self.head_p, y, aux) * self.scale}
-        loss, head_res, _ = self.head.forward(self.head_p, y, aux)
-        return {**state, "loss": state["loss"] + loss.astype(jnp.float32),
-                "head_res": _write(state["head_res"], op["head_res_slot"], head_res)}
+          loss, stats = self.loss_fn(self.head_p, y, aux)
+          state = {**state, "loss": state["loss"] + loss * self.scale}
+        else:
+          loss, head_res, stats = self.head.forward(self.head_p, y, aux)
+          state = {**state, "loss": state["loss"] + loss.astype(jnp.float32),
+                   "head_res": _write(state["head_res"], op["head_res_slot"], head_res)}
+        return {**state, "head_stats": _add(state["head_stats"], _varying(stats, self.manual))}
       state = _branch("pipeline_F_head", self.last(op), head, _unchanged, state)
       return {**state, "send_act": self.sent(y)}
     return _branch("pipeline_F", op["op"] == F, run, _unchanged, state)
@@ -385,13 +391,17 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
                       varying_axes(s) if traced else stage.manual)
     return jax.tree.map(zeros, structs)
   one_layer = jax.tree.map(lambda w: w[0, 0], stage.layers_VxLc)
+  aux0 = _take(stage.aux, 0)
   stats = stage.layer.stats if stage.layer else jax.eval_shape(
-      stage.layer_fn, one_layer, x, _take(stage.aux, 0))[1]
+      stage.layer_fn, one_layer, x, aux0)[1]
+  head_stats = stage.head.stats if stage.head else jax.eval_shape(
+      stage.loss_fn, stage.head_p, x, aux0)[1]
   chunks = jax.tree.leaves(stage.layers_VxLc)[0].shape[0]
   state = {"act": buffer(x, "act"), "act_in": x, "send_act": x,
            "loss": _varying(jnp.zeros((), jnp.float32), stage.manual),
            "stats": _varying(_zeros(stats, (chunks, stage.num_layers), jnp.float32),
-                             stage.manual)}
+                             stage.manual),
+           "head_stats": _varying(_zeros(head_stats, dtype=jnp.float32), stage.manual)}
   if stage.layer is None:
     return state
   num_layers = stage.num_layers
@@ -407,8 +417,9 @@ def initial_state(stage: Stage, schedule: Schedule) -> dict:
 def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tuple[str, ...],
          manual: tuple[str, ...], scale: float, weight_specs: dict | None, embed_p, layers_VxLc,
          head_p, microbatches: dict):
-  """One device's share of the pipeline: (loss, grads, its layers' counts)
-  summed over its stage (gradients None for a forward-only table)."""
+  """One device's share of the pipeline: (loss, grads, its layers' counts,
+  the head's counts) summed over its stage (gradients None for a
+  forward-only table)."""
   microbatches = _varying(microbatches, (AXIS,))  # every stage has them, typed like activations
   embed_p, head_p = _varying((embed_p, head_p), manual)
   aux = {k: v for k, v in microbatches.items() if k != "inputs"}
@@ -424,7 +435,7 @@ def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tupl
     aux0, one_layer = _take(aux, 0), jax.tree.map(lambda x: x[0, 0], layers_VxLc)
     stage = dataclasses.replace(
         stage, layer=split_vjp(pieces["layer_fn"], one_layer, stage.zeros_x, aux0),
-        head=split_vjp(lambda p, x, a: (pieces["loss_fn"](p, x, a) * scale, {}), head_p,
+        head=split_vjp(lambda p, x, a: _scaled(pieces["loss_fn"](p, x, a), scale), head_p,
                        stage.zeros_x, aux0))
   tables = {name: getattr(schedule, name) for name in ("op", "mb", "chunk", *SLOT_FIELDS)}
   tables["sends"] = schedule.sends()
@@ -434,14 +445,21 @@ def _run(schedule: Schedule, layout: StageLayout, pieces: dict, split_axes: tupl
   # A layer's counts are the whole microbatch's (its token sums span the
   # devices that split it), alike on those devices: their mean is them.
   split = math.prod(lax.axis_size(a) for a in split_axes)
-  stats = jax.tree.map(lambda s: (lax.psum(s, split_axes) / split if split_axes else s)[:, None],
-                       state["stats"])
+  def mean(s):
+    return lax.psum(s, split_axes) / split if split_axes else s
+  stats = jax.tree.map(lambda s: mean(s)[:, None], state["stats"])
+  head_stats = jax.tree.map(lambda s: mean(lax.psum(s, AXIS)), state["head_stats"])
   if stage.layer is None:
-    return loss, None, stats
+    return loss, None, stats, head_stats
   layers_g = lax.psum(state["layers_g"], split_axes) if split_axes else state["layers_g"]
   return loss, {"embed": lax.psum(state["embed_g"], summed),
                 "layers": jax.tree.map(lambda g: g[:, None], layers_g),
-                "head": lax.psum(state["head_g"], summed)}, stats
+                "head": lax.psum(state["head_g"], summed)}, stats, head_stats
+
+
+def _scaled(loss_and_stats: tuple[jax.Array, Any], scale: float) -> tuple[jax.Array, Any]:
+  loss, stats = loss_and_stats
+  return loss * scale, stats
 
 
 def _check(schedule: Schedule, layout: StageLayout, mesh: Mesh,
@@ -508,12 +526,13 @@ def pipeline_loss_and_grads(
       batch axis, whole over `fsdp`).
 
   Returns:
-    (loss, grads, stats): float32, grads shaped like params. Embed and head
+    (loss, grads, stats, head_stats): float32, grads shaped like params. Embed and head
     gradients are summed over `pipeline` once, after the last tick (only
     stage 0, resp. P-1, has a nonzero one): one all-reduce per step instead of
     a collective per tick, and none inside a branch that only some stages
     take. `stats`: each layer's counts summed over the microbatches, stacked
-    like the layers ([P*V*Lc, ...] leaves, the layout's slots).
+    like the layers ([P*V*Lc, ...] leaves, the layout's slots); `head_stats`
+    the head's, summed over the microbatches.
   """
   # Axes that split the microbatch but no weight: each device sums its own gradients.
   split_axes = (*batch_axes, *([length_axis] if length_axis else []))
@@ -545,12 +564,12 @@ def pipeline_loss_and_grads(
   if replica:  # the same per replica, leaf by leaf (a tree may be empty)
     staged, unstaged = _per_replica(staged), _per_replica(unstaged)
   batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
-  loss, grads, stats = jax.shard_map(
+  loss, grads, stats, head_stats = jax.shard_map(
       device, mesh=mesh, axis_names=set(manual),
       in_specs=(whole, by_stage, whole, batch_spec),
-      out_specs=(whole, grads_spec, by_stage),
+      out_specs=(whole, grads_spec, by_stage, whole),
   )(params["embed"], staged(params["layers"]), params["head"], microbatches)
   stats = unstaged(stats)
   if grads is None:
-    return loss, None, stats
-  return loss, {**grads, "layers": unstaged(grads["layers"])}, stats
+    return loss, None, stats, head_stats
+  return loss, {**grads, "layers": unstaged(grads["layers"])}, stats, head_stats
