@@ -268,3 +268,54 @@ def test_the_tables_gradient_is_reduce_scattered_as_planned_not_all_reduced_whol
   measured = step_collectives(compiled, setup.mesh)
   planned = {(c["kind"], c["axis"]): c for c in plan(cfg, 8, False)["collectives"]}
   assert measured["reduce-scatter", "fsdp"]["bytes"] == planned["reduce-scatter", "fsdp"]["bytes"]
+
+
+@pytest.mark.slow
+def test_a_routed_module_trains_logs_and_resumes_bit_exactly(tmp_path):
+  """A run of an MoE model with a module logs `mtp_loss` every step; the
+  module's selection bias moves and lies in the checkpoint; a resume from
+  step 3 gives the same losses; a restore into a pipeline (the module on its
+  last stage) continues within float32 rounding. (No switch loss: the
+  pipeline's is its microbatches', not the batch's.)"""
+  from test_moe import moe_run_config
+  from meshtrain.workdir import load_model_state
+  from meshtrain.train.loop import train
+  from meshtrain.train.setup import build
+
+  def run(name, **changes):
+    return train(moe_run_config(tmp_path / name, **{"model.mtp_layers": 1,
+                                                     "model.moe.aux_loss_coef": 0.0, **changes}))
+  straight = run("straight")
+  assert all(r["mtp_loss"] > 0 for r in straight)
+  setup = build(moe_run_config(tmp_path / "straight", **{"model.mtp_layers": 1}))
+  state = load_model_state(tmp_path / "straight", 6, jax.eval_shape(setup.spec.init_model_state),
+                           setup.shardings.model_state)
+  assert np.abs(np.asarray(state["mtp"]["block"]["mlp"]["bias_E"])).max() > 0
+  restore = str(tmp_path / "straight/checkpoints/3")
+  resumed = run("resumed", **{"checkpoint.restore_from": restore})
+  pick = lambda records: [(r["step"], r["loss"], r["mtp_loss"])  # noqa: E731
+                          for r in records if r["step"] > 3]
+  assert pick(resumed) == pick(straight)
+  piped = run("piped", **{"checkpoint.restore_from": restore, "mesh.pipeline": 2,
+                          "mesh.fsdp": 4, "pipeline.microbatches": 2})
+  np.testing.assert_allclose([r["loss"] for r in piped if r["step"] > 3],
+                             [r["loss"] for r in straight if r["step"] > 3], rtol=1e-5)
+
+
+def test_local_sgd_with_one_inner_step_trains_the_modules_as_data_parallel_sgd():
+  """Local SGD (H = 1, outer SGD at rate 1) is data-parallel SGD: each
+  replica weighs its rows' depths itself, the same share of the batch."""
+  from test_local_sgd import local_config, run
+  from meshtrain.train.setup import build
+  cfg = local_config(1, **{"mesh.data": 8, "optimizer.name": "sgd", "optimizer.learning_rate": 0.5,
+                           "optimizer.weight_decay": 0.0, "optimizer.clip_norm": 0.0,
+                           "local_sgd.outer_optimizer": "sgd", "local_sgd.outer_learning_rate": 1.0,
+                           "model.mtp_layers": 1})
+  setup = build(cfg)
+  batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  initial, losses, state = run(setup, batches)
+  sgd = optax.sgd(optax.warmup_cosine_decay_schedule(0.0, 0.5, 2, cfg.steps, 0.05))
+  ref_losses, _, ref_params = plain_run(setup.spec.graphdef, initial, None, sgd, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(state.outer.params), ref_params)

@@ -294,7 +294,7 @@ def build(cfg, devices=None) -> Setup:
                                   replica_grads_fn=grads_fn,
                                   grad_accum_steps=cfg.grad_accum_steps,
                                   param_dtype=cfg.param_dtype, grad_dtype=cfg.grad_dtype,
-                                  schedule=schedule)
+                                  mtp_depth=cfg.model.mtp_layers, schedule=schedule)
     return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step, loss_fn)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
