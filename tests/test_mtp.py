@@ -121,6 +121,8 @@ CASES = {
     "pipeline=2 data=4 interleaved depth 2 accumulate 2": dict(
         mesh=dict(data=4, pipeline=2), grad_accum_steps=2, model=dict(num_layers=4, mtp_layers=2),
         pipeline=dict(schedule="interleaved_1f1b", microbatches=2, virtual_stages=2)),
+    "fsdp=8 offload params and optimizer": dict(mesh=dict(data=1, fsdp=8),
+                                                offload=dict(params=True, optimizer=True)),
     "expert_parallel=data,fsdp remat=selective": dict(
         mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp", remat="selective",
         model=dict(moe=MOE)),
@@ -319,3 +321,21 @@ def test_local_sgd_with_one_inner_step_trains_the_modules_as_data_parallel_sgd()
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                jax.device_get(state.outer.params), ref_params)
+
+
+@pytest.mark.parametrize("dtype", tiered(["bfloat16", "float16"], ()))
+def test_half_precision_tracks_float32(dtype):
+  """bfloat16, and float16 with loss scaling, with a routed module on
+  fsdp=8: the losses and `mtp_loss` stay within rounding of the float32 run
+  (which equals the plain loss above), and no step overflows."""
+  batches = random_batches(STEPS, 16, 16, 64)
+  logged = {}
+  for working in ("float32", dtype):
+    cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
+                          "compute_dtype": working, "model.mtp_layers": 1})
+    cfg.model.moe.update(MOE)
+    *_, logged[working] = meshtrain_run(cfg, batches, with_metrics=True)
+    assert logged[working][-1]["nonfinite_steps"] == 0
+  for key in ("loss", "mtp_loss"):
+    np.testing.assert_allclose([m[key] for m in logged[dtype]],
+                               [m[key] for m in logged["float32"]], atol=0.03)
