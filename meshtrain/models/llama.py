@@ -105,7 +105,8 @@ class Slots:
     the routed experts on the tokens that chose them (`parallel/experts.py`);
     the default runs every expert here.
   token_sum(x_BxLx...) -> x...: a per-token count summed over every token of
-    the batch (the MoE balance); the default sums the [batch, length] it sees.
+    the batch (the MoE balance, the multi-token prediction's loss sums); the
+    default sums the [batch, length] it sees.
   count_before(x_BxLxE) -> (before_BxLxE, length): per token, the sum of x
     over the earlier positions of its sequence, and the sequence's length (an
     expert's capacity), whatever splits or orders the length it sees.

@@ -18,7 +18,7 @@ position's tokens k places ahead (`mtp_inputs`) and k + 1 places ahead
 (`mtp_targets`) and their weights (`mtp_loss_weights`), all [B, L, K], so
 the model shifts nothing along a length that may come split or reordered.
 The training loss is the next-token mean plus `mtp_loss_coef` times the
-mean of the K depths' (DeepSeek-V3's report, eq. 25).
+mean of the K depths' (DeepSeek-V3's report, section 2.2).
 """
 
 import functools

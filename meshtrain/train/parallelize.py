@@ -82,7 +82,7 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
     # An expert's capacity counts in position order, through the zigzag.
     slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)
-  if cfg.model.moe.num_experts and mesh.shape["pipeline"] > 1:
+  if (cfg.model.moe.num_experts or cfg.model.mtp_layers) and mesh.shape["pipeline"] > 1:
     # Inside the pipeline's shard_map `data` (unless local SGD's replica
     # axis) and `sequence` are manual: the counts sum over them; and each of
     # the M microbatches' switch losses weighs 1/M of the step's.
