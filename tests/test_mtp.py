@@ -339,3 +339,23 @@ def test_half_precision_tracks_float32(dtype):
   for key in ("loss", "mtp_loss"):
     np.testing.assert_allclose([m[key] for m in logged[dtype]],
                                [m[key] for m in logged["float32"]], atol=0.03)
+
+
+def test_the_planner_gives_the_modules_work_to_the_last_pipeline_chunk():
+  """`plan --search`'s step model: 4 layers as 2 + 2 on 2 stages of 4
+  devices, with two modules: the last chunk does the first's layers, the
+  head's matmuls and the modules' FLOPs (`flops.mtp_per_token`, the growth
+  the compiled step confirms above) on 16 x 16 tokens over its 4 devices."""
+  from meshtrain.analysis import clusters, search
+  from meshtrain.models import flops
+  cfg = micro_config(**{"model.num_layers": 4, "model.mtp_layers": 2})
+  cluster = clusters.PRESETS["h100"]
+  model = search.StepModel(cfg, cluster)
+  c = search.Candidate((("data", 4), ("pipeline", 2), ("fsdp", 1), ("sequence", 1),
+                        ("tensor", 1)), microbatches=2)
+  work = model.chunk_work(c, c.config(cfg))
+  modules = flops.mtp_per_token(model.model_cfg, model.spec.abstract_params, cfg.seq_len)
+  assert modules > 6 * 2 * cfg.model.vocab_size * cfg.model.embed_dim  # the heads and more
+  head = 6 * cfg.model.embed_dim * cfg.model.vocab_size + modules
+  seconds = 16 * 16 * head / 4 / (cluster.peak_flops * model.efficiency)
+  assert work[0, 1] - seconds == pytest.approx(work[0, 0])

@@ -322,11 +322,14 @@ class StepModel:
         if x.ndim > 2)
     self.layer_weights = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
                              ) / m.num_layers  # one layer's, all experts
-    self.attention_forward = flops.attention_per_token(m, cfg.seq_len)
+    self.attention_forward = flops.attention_per_token(
+        dataclasses.replace(self.model_cfg, mtp_layers=0), cfg.seq_len)  # the layers'
     self.layer_forward = 2 * layer_params + self.attention_forward
-    # The head's matmul a token, forward and backward, and that in layers (of
-    # the model's average one): the last pipeline chunk's work beyond its own.
-    self.head_flops = 6 * m.embed_dim * m.vocab_size
+    # The head's matmul a token, forward and backward, and the multi-token
+    # prediction modules', and that in layers (of the model's average one):
+    # the last pipeline chunk's work beyond its own.
+    self.head_flops = 6 * m.embed_dim * m.vocab_size + flops.mtp_per_token(
+        self.model_cfg, self.spec.abstract_params, cfg.seq_len)
     self.head_layers = self.head_flops * m.num_layers / (self.flops_per_token - self.head_flops)
     self.dense_layers = plan_lib.dense_layers(cfg)
     # cuDNN's flash attention where the cluster has it and the heads fit it.

@@ -7,6 +7,7 @@ k/E of the routed experts' weights (the active parameters), as DeepSeek-V3's
 and Mixtral's reports do. Multi-token prediction modules (`mtp_layers`) count
 as layers of attention, and each runs the output head once more."""
 
+import dataclasses
 import math
 
 import jax
@@ -49,6 +50,16 @@ def attention_per_token(model_cfg, seq_len: int) -> float:
   qk, v, _ = mla.widths(model_cfg)
   layers = model_cfg.num_layers + model_cfg.mtp_layers
   return 2 * layers * model_cfg.num_heads * (qk + v) * seq_len
+
+
+def mtp_per_token(model_cfg: LlamaConfig, abstract_params, seq_len: int) -> float:
+  """The multi-token prediction modules' share of `flops_per_token` (their
+  blocks, projections, attention and output heads: all on a pipeline's last
+  stage)."""
+  without = dataclasses.replace(model_cfg, mtp_layers=0)
+  params = {key: tree for key, tree in abstract_params.items() if key != "mtp"}
+  return (flops_per_token(model_cfg, abstract_params, seq_len)
+          - flops_per_token(without, params, seq_len))
 
 
 def flops_per_token(model_cfg: LlamaConfig, abstract_params, seq_len: int) -> float:
