@@ -286,7 +286,18 @@ def check_values(cfg) -> None:
       raise ConfigError(f"config.{key}", problem)
   _check_ignored(cfg, values, defaults, sizes=None)
   _check_rope_scaling(cfg.model)
+  _check_mtp_layers(cfg)
   distributed.check(cfg.distributed)
+
+
+def _check_mtp_layers(cfg) -> None:
+  """Module k of the multi-token prediction predicts the token k + 1 places
+  ahead: a sequence has one for k < seq_len only."""
+  if cfg.model.mtp_layers >= cfg.seq_len:
+    raise ConfigError("config.model.mtp_layers", f"is {cfg.model.mtp_layers}, but module k "
+                      f"predicts the token k + 1 places ahead, which sequences of "
+                      f"config.seq_len={cfg.seq_len} tokens hold only for k < {cfg.seq_len}; "
+                      f"set it below {cfg.seq_len} (DeepSeek-V3 trains 1)")
 
 
 def _check_rope_scaling(model) -> None:

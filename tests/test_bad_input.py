@@ -132,6 +132,7 @@ CASES = [
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.shared_gate=true"],
      "config.model.moe.shared_gate"),  # no shared expert to gate
     ("train", ["--config.model.mtp_layers=-1"], "config.model.mtp_layers"),
+    ("train", ["--config.seq_len=8", "--config.model.mtp_layers=8"], "config.model.mtp_layers"),
     ("train", ["--config.model.mtp_loss_coef=0.3"], "config.model.mtp_loss_coef"),  # no modules
     ("train", ["--config.model.mtp_layers=1", "--config.model.mtp_loss_coef=-0.1"],
      "config.model.mtp_loss_coef"),

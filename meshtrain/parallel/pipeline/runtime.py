@@ -38,8 +38,8 @@ Model contract (any model, not only Llama):
     multi-token prediction modules' of a Llama that has them), summed over
     the microbatches
 `aux` is the microbatch's other [B, L, ...] arrays (targets, positions,
-segment ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs `loss_fn`
-after the last chunk and seeds the backward with d(loss / M). The pieces run
+segment ids). Stage 0 runs `embed_fn` before chunk 0; the last stage runs
+`loss_fn` after the last chunk and seeds the backward with d(loss / M). The pieces run
 inside a partially manual `shard_map`, where XLA's partitioner aborts on some
 gathers (docs/pipeline.md, "Model pieces inside the shard_map").
 """
@@ -526,11 +526,11 @@ def pipeline_loss_and_grads(
       batch axis, whole over `fsdp`).
 
   Returns:
-    (loss, grads, stats, head_stats): float32, grads shaped like params. Embed and head
-    gradients are summed over `pipeline` once, after the last tick (only
-    stage 0, resp. P-1, has a nonzero one): one all-reduce per step instead of
-    a collective per tick, and none inside a branch that only some stages
-    take. `stats`: each layer's counts summed over the microbatches, stacked
+    (loss, grads, stats, head_stats): float32, grads shaped like params.
+    Embed and head gradients are summed over `pipeline` once, after the last
+    tick (only stage 0, resp. P-1, has a nonzero one): one all-reduce per step
+    instead of a collective per tick, and none inside a branch that only some
+    stages take. `stats`: each layer's counts summed over the microbatches, stacked
     like the layers ([P*V*Lc, ...] leaves, the layout's slots); `head_stats`
     the head's, summed over the microbatches.
   """
