@@ -257,6 +257,21 @@ def test_more_modules_than_the_checkpoint_holds_are_refused_before_writing(mtp_m
   assert not (tmp_path / "imported").exists()
 
 
+def test_modules_a_config_counts_but_the_files_lack_are_refused_before_writing(tmp_path):
+  """transformers' save_pretrained writes DeepSeek-V3's config with
+  num_nextn_predict_layers 1 and no module: asking for it names the key and
+  what the files hold, not a missing tensor."""
+  directory = tmp_path / "hf"
+  save_hf_model(directory, "deepseek_v3")
+  assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  message = (rf"is 1 but the model in .* holds the tensors of 0 multi-token prediction modules "
+             rf"\(model.layers.{N} on\), though its config.json counts 1 .*; set it to 0$")
+  with pytest.raises(ConfigError, match=message) as error:
+    import_hf(micro_config(**{"model.mtp_layers": 1}), directory, tmp_path / "imported")
+  assert error.value.key == "config.model.mtp_layers"
+  assert not (tmp_path / "imported").exists()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_a_model_with_modules_exports_as_no_other_family(tmp_path, family):
   cfg = micro_config(**{"model.mtp_layers": 1, "workdir": str(tmp_path / "run"),

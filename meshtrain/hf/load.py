@@ -234,26 +234,41 @@ def _load(tensors: SafetensorsDir, weights: dict, abstract, shardings):
   return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def layers_not_read(directory, mtp_layers: int = 0, *, key: str) -> list[int]:
-  """The layers the checkpoint in `directory` holds beyond its
-  `num_hidden_layers` and the `mtp_layers` multi-token prediction modules
-  imported after them, which the import leaves out: DeepSeek-V3's modules
-  (`model.layers.61`) that `config.model.mtp_layers` does not ask for."""
-  hf = hf_config.read(directory, key=key)
-  prefix, first = "model.layers.", hf["num_hidden_layers"] + mtp_layers
+def _layers_from(directory, first: int, key: str) -> list[int]:
+  """The layers numbered `first` on whose tensors the checkpoint in `directory` holds."""
+  prefix = "model.layers."
   layers = {name[len(prefix):].split(".", 1)[0] for name in SafetensorsDir(directory, key=key).files
             if name.startswith(prefix)}
   return sorted(int(layer) for layer in layers if layer.isdigit() and int(layer) >= first)
 
 
+def layers_not_read(directory, mtp_layers: int = 0, *, key: str) -> list[int]:
+  """The layers the checkpoint in `directory` holds beyond its
+  `num_hidden_layers` and the `mtp_layers` multi-token prediction modules
+  imported after them, which the import leaves out: DeepSeek-V3's modules
+  (`model.layers.61`) that `config.model.mtp_layers` does not ask for."""
+  return _layers_from(directory, hf_config.read(directory, key=key)["num_hidden_layers"]
+                      + mtp_layers, key)
+
+
 def check_mtp_layers(directory, hf: dict, mtp_layers: int) -> None:
   """`config.model.mtp_layers` asks for no more multi-token prediction modules
-  than the checkpoint in `directory` (config.json `hf`) holds."""
-  held = hf_config.mtp_layers(hf)
+  than the checkpoint in `directory` (config.json `hf`) holds: as many as its
+  config.json counts (`num_nextn_predict_layers`) and its files have tensors
+  of (transformers' `save_pretrained` writes none, whatever its config says)."""
+  if not mtp_layers:
+    return
+  first, counted = hf["num_hidden_layers"], hf_config.mtp_layers(hf)
+  saved = set(_layers_from(directory, first, "--from"))
+  held = next((k for k in range(counted) if first + k not in saved), counted)
   if mtp_layers > held:
+    held_text = (f"holds the tensors of {held} multi-token prediction modules (model.layers."
+                 f"{first} on), though its config.json counts {counted} "
+                 "(num_nextn_predict_layers; transformers' save_pretrained writes none)"
+                 if held < counted else
+                 f"has {held} multi-token prediction modules (num_nextn_predict_layers)")
     raise ConfigError("config.model.mtp_layers", f"is {mtp_layers} but the model in {directory} "
-                      f"has {held} multi-token prediction modules (num_nextn_predict_layers); "
-                      f"set it to {held} or less")
+                      f"{held_text}; set it to {held}" + (" or less" if held else ""))
 
 
 def check_model(directory, model_cfg, *, key: str) -> dict:
