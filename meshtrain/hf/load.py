@@ -254,13 +254,16 @@ def layers_not_read(directory, mtp_layers: int = 0, *, key: str) -> list[int]:
 def check_mtp_layers(directory, hf: dict, mtp_layers: int) -> None:
   """`config.model.mtp_layers` asks for no more multi-token prediction modules
   than the checkpoint in `directory` (config.json `hf`) holds: as many as its
-  config.json counts (`num_nextn_predict_layers`) and its files have tensors
-  of (transformers' `save_pretrained` writes none, whatever its config says)."""
+  config.json counts (`num_nextn_predict_layers`) and, where its weights are
+  there, its files have tensors of (transformers' `save_pretrained` writes
+  none, whatever its config says)."""
   if not mtp_layers:
     return
   first, counted = hf["num_hidden_layers"], hf_config.mtp_layers(hf)
-  saved = set(_layers_from(directory, first, "--from"))
-  held = next((k for k in range(counted) if first + k not in saved), counted)
+  held = counted
+  if any((Path(directory) / name).is_file() for name in (INDEX_FILE, SINGLE_FILE)):
+    saved = set(_layers_from(directory, first, "--from"))
+    held = next((k for k in range(counted) if first + k not in saved), counted)
   if mtp_layers > held:
     held_text = (f"holds the tensors of {held} multi-token prediction modules (model.layers."
                  f"{first} on), though its config.json counts {counted} "
