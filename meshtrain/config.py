@@ -97,6 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing step (0: off; 1e-3)
   c.model.moe.capacity_factor = 0.0   # 0: dropless; c > 0: an expert takes ceil(c x L x k / E) tokens per sequence
   c.model.moe.grouped_gemm = "auto"  # the experts' GEMMs: auto | tiled | ragged_dot | hopper (docs/moe.md)
+  c.model.moe.dispatch = "padded"     # the all-to-alls: padded (whole buckets) | ragged (the rows alone; GPU/TPU)
 
   c.attention = ml_collections.ConfigDict()
   c.attention.sequence_strategy = "all_gather_kv"  # when mesh.sequence > 1: all_gather_kv | ulysses | ring

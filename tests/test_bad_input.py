@@ -105,6 +105,11 @@ CASES = [
      "config.model.moe.grouped_gemm"),
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.grouped_gemm=hopper"],
      "config.model.moe.grouped_gemm"),  # no Hopper GPU here
+    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.dispatch=sparse"],
+     "config.model.moe.dispatch"),
+    ("train", ["--config.model.moe.num_experts=8", "--config.mesh.data=1", "--config.mesh.fsdp=8",
+               "--config.model.moe.dispatch=ragged"], "config.model.moe.dispatch"),  # a CPU
+    ("train", ["--config.model.moe.dispatch=ragged"], "config.model.moe.dispatch"),  # no experts
     ("train", ["--config.model.moe.num_experts=4", "--config.expert_parallel=tensor"],
      "config.expert_parallel"),
     ("train", [*PIPELINE, "--config.model.moe.num_experts=4", "--config.expert_parallel=data"],

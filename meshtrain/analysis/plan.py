@@ -326,7 +326,9 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   tokens to their experts' devices and the outputs back, in the compute
   dtype (twice each way: forward, and the transposes in the backward, where a
   pipeline's W sends the output gradients once more: docs/moe.md), and the
-  [n, E_local] counts (each forward).
+  [n, E_local] counts (each forward). A ragged dispatch sends the assignments'
+  rows alone, which on balanced routing (what the plan assumes) are the
+  device's T x K, and its senders' offsets with the counts.
 
   Under `tensor`, each tensor device dispatches its share of the tokens
   where that makes the buckets no bigger (`experts.tensor_split`): the rows
@@ -353,8 +355,14 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   bucket = act_bytes * n * capacity * m.embed_dim
   w_resends = sizes["pipeline"] > 1
-  comm.add("all-to-all", set(axes), bucket, mesh, (2 * (forwards + 1) + w_resends) * moe_passes)
-  comm.add("all-to-all", set(axes), 4 * n * local, mesh, forwards * moe_passes)
+  ragged = moe.dispatch == "ragged" and n > 1
+  if ragged:  # the rows alone, (n - 1) / n of a device's assignments on balanced routing
+    sent = act_bytes * rows * length // (t if split else 1) * moe.experts_per_token * m.embed_dim
+  comm.add("all-to-all", set(axes), sent if ragged else bucket, mesh,
+           (2 * (forwards + 1) + w_resends) * moe_passes)
+  comm.add("all-to-all", set(axes), 4 * n * (local + ragged), mesh, forwards * moe_passes)
+  if ragged:  # jax's transpose of a ragged all-to-all sends its two offset vectors first
+    comm.add("all-to-all", set(axes), 4 * n, mesh, 2 * (2 + w_resends) * moe_passes)
   if per_sequence:  # each chunk's count per expert, for the capacity (`sequence.count_before`)
     ring = sizes["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
     chunks = sequence.prefix_chunks(cfg.seq_len, _prod(length_axes, mesh), ring)

@@ -70,6 +70,7 @@ class MoEConfig:
   bias_update_rate: float = 0.0
   capacity_factor: float = 0.0
   grouped_gemm: str = "tiled"  # how a device runs its experts (`experts.GEMMS`)
+  dispatch: str = "padded"  # how the all-to-alls send the rows (`experts.DISPATCHES`)
 
   def capacity(self, length: int) -> int:
     """Assignments an expert takes from one sequence of `length` tokens (0: all);

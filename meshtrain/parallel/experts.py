@@ -21,10 +21,22 @@ The grouped GEMM (`model.moe.grouped_gemm`):
                     and each device's share inside `expert_parallel`).
   expert_parallel   experts split over mesh axes (`config.expert_parallel`):
                     each device buckets its tokens' assignments by the device
-                    holding the expert, `lax.all_to_all` sends the buckets
-                    there and the outputs back (two per MoE layer forward,
-                    beside one of [n, E_local] counts), and every device runs
-                    its own experts on what arrived.
+                    holding the expert, an all-to-all sends the buckets there
+                    and the outputs back (two per MoE layer forward, beside
+                    one of [n, E_local] counts), and every device runs its
+                    own experts on what arrived.
+
+The all-to-all (`model.moe.dispatch`):
+  padded       `lax.all_to_all` of whole buckets, each of the fixed size below;
+               every backend runs it.
+  ragged       `lax.ragged_all_to_all` of the rows alone: the same buckets at
+               the receiver, but only the assignments cross the network (on
+               balanced routing (n - 1) / n of a device's T x K rows, where a
+               padded dropless bucket sends n x min(K, E_local) / K times
+               that). GPUs and TPUs only: XLA:CPU cannot compile it, so on a
+               CPU it is checked against an emulation of its documented
+               semantics (tests/test_moe_ragged.py), and on a GPU by
+               bench/gpu.py.
 
 Rows reach the grouped GEMM (sorted by expert, in tiles, in the buckets
 of the all-to-all) and come back by gathers whose gradients are gathers too
@@ -35,9 +47,7 @@ w_up_ExDxF, w_down_ExFxD) -> y_BxLxD` with y[b, l] = sum_k weight[b, l, k] x
 SwiGLU_{expert[b, l, k]}(x[b, l]); an assignment with expert -1 (dropped by
 capacity) contributes nothing. Equal to a plain loop over experts.
 
-Buckets have a fixed size, as every collective here does
-(`lax.ragged_all_to_all`, which sends only what is there, does not run on
-XLA:CPU in jax 0.10): dropless, a device can send another at most
+Buckets have a fixed size: dropless, a device can send another at most
 T x min(k, E_local) assignments of its T tokens, and a bucket holds that
 many; with a capacity of c assignments per sequence and expert, at most
 B x E_local x c. `expert_capacity` says which.
@@ -86,6 +96,7 @@ PIPELINE_HELD_AXES = ("data", "sequence")
 
 GEMMS = ("tiled", "ragged_dot", "hopper")  # how a device runs its experts
 CHOICES = ("auto", *GEMMS)  # `model.moe.grouped_gemm`
+DISPATCHES = ("padded", "ragged")  # `model.moe.dispatch`: how the all-to-alls send the rows
 MAX_TILE = 1024  # the most rows of a tile of the tiled grouped GEMM
 
 
@@ -95,6 +106,13 @@ def gemm_for(choice: str, compute_dtype: str, widths: dict[str, int], device: ja
   if choice != "auto":
     return choice
   return "tiled" if hopper_gemm.unsupported(device, compute_dtype, widths) else "hopper"
+
+
+def ragged_unsupported(device: jax.Device) -> str:
+  """Why `lax.ragged_all_to_all` cannot run on `device` ("" where it can)."""
+  if device.platform == "cpu":
+    return "XLA:CPU cannot compile lax.ragged_all_to_all (UNIMPLEMENTED in jax 0.10)"
+  return ""
 
 
 def _swiglu(x, dot: Callable, w_gate, w_up, w_down) -> jax.Array:
@@ -302,38 +320,61 @@ def expert_capacity(tokens: int, rows: int, k: int, local_experts: int,
 
 
 def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tuple[str, ...],
-              n: int, capacity: int, tensor: str | None, tensor_splits_tokens: bool, gemm: str):
+              n: int, capacity: int, tensor: str | None, tensor_splits_tokens: bool, gemm: str,
+              dispatch: str):
   """One device's share: its T tokens' assignments to the n devices of `axes`
   (expert e on device e // E_local), its E_local experts on what arrives.
 
-  Each bucket holds its assignments ordered by expert, so a device learns what
-  it received from the counts per expert alone (a small all-to-all of
-  [n, E_local] integers), not from an id per row. Where `tensor_splits_tokens`,
-  the tensor devices' rows are gathered for their slices of the experts and
-  the partial outputs reduce-scattered back; else every tensor device holds
-  the same rows and the partial outputs are summed."""
+  Each device's rows reach another ordered by expert, so the receiver learns
+  what it got from the counts per expert alone (a small all-to-all of
+  [n, E_local] integers), not from an id per row. It holds them in n slots of
+  `capacity` rows, one per source. `dispatch` "padded" sends whole slots
+  (`lax.all_to_all`); "ragged" sends the rows alone (`lax.ragged_all_to_all`)
+  from a buffer of the T x K assignments sorted by device, the senders' offsets
+  in it going along with the counts for the way back. Where
+  `tensor_splits_tokens`, the tensor devices' rows are gathered for their
+  slices of the experts and the partial outputs reduce-scattered back; else
+  every tensor device holds the same rows and the partial outputs are summed."""
   t, k = expert_TxK.shape
   d, local = x_TxD.shape[-1], w_gate.shape[0]
   num_experts = n * local
+  ragged = dispatch == "ragged" and n > 1
   expert_A = expert_TxK.reshape(t * k)
   expert_A = jnp.where(expert_A >= 0, expert_A, num_experts)  # num_experts: dropped
   counts_E = jnp.bincount(expert_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  dest_A = expert_A // local  # n: dropped, sent nowhere
-  starts_N = jnp.cumsum(counts_E.reshape(n, local).sum(1)) - counts_E.reshape(n, local).sum(1)
-  slot_A = _place_in_run(expert_A, dest_A, starts_N)  # by device, then by its experts
-  # Each assignment's row of the n x capacity buckets (dropped or past its bucket: none).
-  place_A = jnp.where((dest_A < n) & (slot_A < capacity), dest_A * capacity + slot_A, n * capacity)
-  source_M = _sources(place_A, n * capacity)
-  send_NxCxD = _assignment_rows(x_TxD, place_A, source_M).reshape(n, capacity, d)
   counts_NxL = counts_E.reshape(n, local)
-  if n > 1:
-    send_NxCxD = lax.all_to_all(send_NxCxD, axes, 0, 0, tiled=True)
+  sent_N = counts_NxL.sum(1)
+  dest_A = expert_A // local  # n: dropped, sent nowhere
+  starts_N = jnp.cumsum(sent_N) - sent_N
+  slot_A = _place_in_run(expert_A, dest_A, starts_N)  # by device, then by its experts
+  # Each assignment's row in the send buffer (dropped or past its slot: none):
+  # the n slots of `capacity` rows, or (ragged) the runs by device.
+  if ragged:
+    place_A = jnp.where(dest_A < n, starts_N.at[dest_A].get(mode="fill", fill_value=0) + slot_A,
+                        t * k)
+  else:
+    place_A = jnp.where((dest_A < n) & (slot_A < capacity), dest_A * capacity + slot_A,
+                        n * capacity)
+  source_M = _sources(place_A, t * k if ragged else n * capacity)
+  send_MxD = _assignment_rows(x_TxD, place_A, source_M)
+  if ragged:  # the senders' starts travel with the counts, for the way back
+    counts_NxL1 = lax.all_to_all(jnp.concatenate([counts_NxL, starts_N[:, None]], axis=1), axes,
+                                 0, 0, tiled=True)
+    counts_NxL, their_starts_N = counts_NxL1[:, :-1], counts_NxL1[:, -1]
+    slots_N = jnp.arange(n, dtype=jnp.int32) * capacity
+    mine_N = jnp.full((n,), lax.axis_index(axes) * capacity, jnp.int32)
+    rows_MxD = _ragged_all_to_all(send_MxD, n * capacity, starts_N, sent_N, mine_N,
+                                  counts_NxL.sum(1), axes)
+  elif n > 1:
+    rows_MxD = lax.all_to_all(send_MxD.reshape(n, capacity, d), axes, 0, 0,
+                              tiled=True).reshape(n * capacity, d)
     counts_NxL = lax.all_to_all(counts_NxL, axes, 0, 0, tiled=True)
+  else:
+    rows_MxD = send_MxD
   # Row c from source j belongs to the expert whose run of j's rows holds c.
   ends_NxL = jnp.cumsum(counts_NxL, axis=1)
   expert_NxC = jnp.sum(jnp.arange(capacity)[None, :, None] >= ends_NxL[:, None, :], axis=-1)
   expert_M = jnp.where(expert_NxC < local, expert_NxC, -1).reshape(n * capacity, 1)
-  rows_MxD = send_NxCxD.reshape(n * capacity, d)
   if tensor_splits_tokens:  # every tensor device's rows through this one's slices
     rows_MxD = lax.all_gather(rows_MxD, tensor, tiled=True)
     expert_M = lax.all_gather(expert_M, tensor, tiled=True)
@@ -342,12 +383,28 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
     out_MxD = lax.psum_scatter(out_MxD, tensor, scatter_dimension=0, tiled=True)
   elif tensor:  # each tensor device ran its slice of the hidden width
     out_MxD = lax.psum(out_MxD, tensor)
-  back_NxCxD = out_MxD.reshape(n, capacity, d)
-  if n > 1:
-    back_NxCxD = lax.all_to_all(back_NxCxD, axes, 0, 0, tiled=True)
-  out_AxD = take_rows(back_NxCxD.reshape(n * capacity, d), place_A, source_M[:, None])
+  if ragged:
+    back_MxD = _ragged_all_to_all(out_MxD, t * k, slots_N, counts_NxL.sum(1), their_starts_N,
+                                  sent_N, axes)
+  elif n > 1:
+    back_MxD = lax.all_to_all(out_MxD.reshape(n, capacity, d), axes, 0, 0,
+                              tiled=True).reshape(n * capacity, d)
+  else:
+    back_MxD = out_MxD
+  out_AxD = take_rows(back_MxD, place_A, source_M[:, None])
   y_TxD = jnp.einsum("tkd,tk->td", out_AxD.reshape(t, k, d), weight_TxK.astype(jnp.float32))
   return y_TxD.astype(x_TxD.dtype)
+
+
+def _ragged_all_to_all(rows_RxD: jax.Array, size: int, offsets_N: jax.Array, sizes_N: jax.Array,
+                       their_offsets_N: jax.Array, received_N: jax.Array,
+                       axes: tuple[str, ...]) -> jax.Array:
+  """`sizes_N[j]` rows from `offsets_N[j]` of `rows_RxD` to device j of `axes`,
+  placed there at `their_offsets_N[j]` of a buffer of `size` rows (zero
+  where nothing arrives), `received_N[i]` arriving from device i."""
+  output_SxD = _varying_alike(jnp.zeros((size, rows_RxD.shape[1]), rows_RxD.dtype), rows_RxD)[0]
+  return lax.ragged_all_to_all(rows_RxD, output_SxD, offsets_N, sizes_N, their_offsets_N,
+                               received_N, axis_name=axes)
 
 
 def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -402,10 +459,10 @@ def _resplit(x_BxLx_: jax.Array, tensor: str | None, source: str, target: str) -
 
 def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
                     w_down_ExFxD, *, axes: tuple[str, ...], per_sequence: int = 0,
-                    gemm: str = "tiled") -> jax.Array:
+                    gemm: str = "tiled", dispatch: str = "padded") -> jax.Array:
   """The experts split over the mesh axes `axes` (the module docstring); with
   the mesh in context. `per_sequence` is the capacity of an expert per sequence
-  (0: dropless)."""
+  (0: dropless); `dispatch` one of `DISPATCHES`."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return grouped_experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDxF,
@@ -443,7 +500,7 @@ def expert_parallel(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate_ExDxF, w_up_ExDx
                       expert_BxLxK.reshape(rows * length_here, -1),
                       weight_BxLxK.reshape(rows * length_here, -1), w_gate, w_up, w_down,
                       axes=axes, n=n, capacity=capacity, tensor=tensor,
-                      tensor_splits_tokens=bool(split), gemm=gemm)
+                      tensor_splits_tokens=bool(split), gemm=gemm, dispatch=dispatch)
     return _resplit(y_TxD.reshape(rows, length_here, d), tensor, split, arrival)
 
   if not manual:  # every axis is already manual (inside the pipeline): local shards

@@ -65,6 +65,12 @@ def loss_weights(batch: dict) -> jax.Array | None:
   counted_BxL = counted_tokens(batch)
   if counted_BxL is None:
     return None
+  return _averaging_one(counted_BxL)
+
+
+def _averaging_one(counted_BxL: jax.Array) -> jax.Array:
+  """Weights of the counted tokens (bool [B, L]): equal, averaging 1 over the
+  batch; 0 elsewhere."""
   counted_BxL = counted_BxL.astype(jnp.float32)
   return counted_BxL * (counted_BxL.size / jnp.maximum(counted_BxL.sum(), 1))
 
@@ -88,8 +94,7 @@ def mtp_batch(batch: dict, depth: int) -> dict:
     counted_k_BxL = _ahead(counted_BxL, k, False)
     if "segment_ids" in batch:
       counted_k_BxL &= _ahead(batch["segment_ids"], k, 0) == batch["segment_ids"]
-    counted_k_BxL = counted_k_BxL.astype(jnp.float32)
-    weights.append(counted_k_BxL * (counted_k_BxL.size / jnp.maximum(counted_k_BxL.sum(), 1)))
+    weights.append(_averaging_one(counted_k_BxL))
   stack = functools.partial(jnp.stack, axis=-1)
   return {"mtp_inputs": stack(inputs).astype(batch["inputs"].dtype),
           "mtp_targets": stack(targets).astype(batch["targets"].dtype),

@@ -78,7 +78,7 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   if cfg.model.moe.num_experts:
     slot["experts"] = functools.partial(
         experts.expert_parallel, axes=expert_axes(cfg),
-        per_sequence=model_config(cfg).moe.capacity(cfg.seq_len))
+        per_sequence=model_config(cfg).moe.capacity(cfg.seq_len), dispatch=cfg.model.moe.dispatch)
   if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
     # An expert's capacity counts in position order, through the zigzag.
     slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)

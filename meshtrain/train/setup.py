@@ -157,6 +157,7 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   moe, key = cfg.model.moe, "config.model.moe"
   _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
   _check_choice(f"{key}.grouped_gemm", moe.grouped_gemm, experts.CHOICES)
+  _check_choice(f"{key}.dispatch", moe.dispatch, experts.DISPATCHES)
   if not 1 <= moe.experts_per_token <= moe.num_experts:
     raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
                       f"and model.moe.num_experts = {moe.num_experts}")
@@ -192,10 +193,6 @@ def validate_moe(cfg, mesh: Mesh) -> None:
     raise ConfigError(f"{key}.shared_mlp_dim", f"the shared MLP's hidden width "
                       f"{moe.shared_mlp_dim} is not divisible by config.mesh.tensor = "
                       f"{mesh.shape['tensor']}")
-  why = moe.grouped_gemm == "hopper" and hopper_gemm.unsupported(
-      jax.devices()[0], cfg.compute_dtype, parallelize.expert_widths(cfg))
-  if why:
-    raise ConfigError(f"{key}.grouped_gemm", f"hopper: {why}; use auto or tiled")
   held = [a for a in axes if a in experts.PIPELINE_HELD_AXES and mesh.shape[a] > 1]
   if mesh.shape["pipeline"] > 1 and held:
     raise ConfigError("config.expert_parallel", f"{held[0]!r}: the pipeline holds "
@@ -206,6 +203,22 @@ def validate_moe(cfg, mesh: Mesh) -> None:
                       "alone: its experts cannot be split over `data` and its biases would "
                       "drift apart; take `data` out of config.expert_parallel and set "
                       "config.model.moe.bias_update_rate=0")
+
+
+def validate_machine(cfg, mesh: Mesh) -> None:
+  """What this machine's devices must run (`validate` leaves it out, so that
+  `meshtrain plan` plans any config anywhere): the experts' GPU-only paths."""
+  moe, key, device = cfg.model.moe, "config.model.moe", mesh.devices.flat[0]
+  if not moe.num_experts:
+    return
+  why = moe.grouped_gemm == "hopper" and hopper_gemm.unsupported(
+      device, cfg.compute_dtype, parallelize.expert_widths(cfg))
+  if why:
+    raise ConfigError(f"{key}.grouped_gemm", f"hopper: {why}; use auto or tiled")
+  split = math.prod(mesh.shape[a] for a in parallelize.expert_axes(cfg))
+  why = moe.dispatch == "ragged" and split > 1 and experts.ragged_unsupported(device)
+  if why:
+    raise ConfigError(f"{key}.dispatch", f"ragged: {why}; use padded")
 
 
 def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
@@ -270,6 +283,7 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
 def build(cfg, devices=None) -> Setup:
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
+  validate_machine(cfg, mesh)
   local_sgd.validate(cfg)
   precision.validate(cfg)
   rules = sharding_rules(cfg, mesh)
