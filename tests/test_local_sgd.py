@@ -145,6 +145,12 @@ DILOCO_CASES = [
     pytest.param(c, id=" ".join(f"{k.split('.')[-1]}={v}" for k, v in c.items()),
                  marks=pytest.mark.slow) for c in DILOCO_CASES])
 def test_adamw_inside_nesterov_outside_equals_diloco_written_out(changes):
+  assert_equals_diloco_written_out(changes)
+
+
+def assert_equals_diloco_written_out(changes):
+  """Two replicas of `changes`' mesh, two AdamW steps inside and Nesterov
+  outside, against `diloco_reference`."""
   cfg = local_config(2, **{"mesh.data": 2, **changes})
   setup = build(cfg)
   batches = random_batches(4, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)

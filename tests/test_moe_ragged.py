@@ -151,6 +151,15 @@ def test_ragged_dispatch_training_matches_unsharded_plain_jit(emulated, case):
   assert_matches_one_device(cfg, batches)
 
 
+@pytest.mark.slow
+def test_local_sgd_replicas_with_ragged_dispatch_equal_diloco_written_out(emulated):
+  """Each replica's experts over `fsdp` x `tensor`, the rows sent ragged
+  inside the vmap over replicas."""
+  from test_local_sgd import MOE as LOCAL_MOE, assert_equals_diloco_written_out
+  assert_equals_diloco_written_out({**LOCAL_MOE, "mesh.fsdp": 2, "mesh.tensor": 2,
+                                    "model.moe.dispatch": "ragged"})
+
+
 def lowered_collectives(cfg) -> dict[str, list[str]]:
   """The lowered (StableHLO) training step's all-to-alls, ragged and whole, by
   their operand types."""
@@ -180,6 +189,10 @@ def test_the_step_xla_receives_sends_the_rows_by_ragged_all_to_all(accepted):
   found = lowered_collectives(micro_config(**RAGGED, **{"mesh.data": 1, "mesh.fsdp": 8}))
   assert sorted(found["ragged"]) == sorted([f"{t * k}x{d}xf32", f"{n * capacity}x{d}xf32"] * 2)
   assert not [s for s in found["whole"] if s.endswith(f"x{d}xf32")], found["whole"]
+  # Local SGD's replicas, a vmap over `data`: jax's batching rule of the collective.
+  from test_local_sgd import local_config
+  replicas = lowered_collectives(local_config(2, **{**RAGGED, "mesh.data": 2, "mesh.fsdp": 4}))
+  assert len(replicas["ragged"]) == 4, replicas["ragged"]
   padded = lowered_collectives(micro_config(**MOE, **{"mesh.data": 1, "mesh.fsdp": 8}))
   assert not padded["ragged"]
   assert [s for s in padded["whole"] if s.endswith(f"x{d}xf32")] == [f"{n}x{capacity}x{d}xf32"] * 4

@@ -361,8 +361,12 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
     counts_NxL1 = lax.all_to_all(jnp.concatenate([counts_NxL, starts_N[:, None]], axis=1), axes,
                                  0, 0, tiled=True)
     counts_NxL, their_starts_N = counts_NxL1[:, :-1], counts_NxL1[:, -1]
-    slots_N = jnp.arange(n, dtype=jnp.int32) * capacity
-    mine_N = jnp.full((n,), lax.axis_index(axes) * capacity, jnp.int32)
+    # jax 0.10 batches the collective (local SGD's vmap over replicas) only
+    # where every offset varies with the batch: the fixed ones are derived
+    # from the counts (`_ragged_all_to_all`'s caveat).
+    zero_N = sent_N * 0
+    slots_N = zero_N + jnp.arange(n, dtype=jnp.int32) * capacity
+    mine_N = zero_N + lax.axis_index(axes).astype(jnp.int32) * capacity
     rows_MxD = _ragged_all_to_all(send_MxD, n * capacity, starts_N, sent_N, mine_N,
                                   counts_NxL.sum(1), axes)
   elif n > 1:
@@ -401,7 +405,10 @@ def _ragged_all_to_all(rows_RxD: jax.Array, size: int, offsets_N: jax.Array, siz
                        axes: tuple[str, ...]) -> jax.Array:
   """`sizes_N[j]` rows from `offsets_N[j]` of `rows_RxD` to device j of `axes`,
   placed there at `their_offsets_N[j]` of a buffer of `size` rows (zero
-  where nothing arrives), `received_N[i]` arriving from device i."""
+  where nothing arrives), `received_N[i]` arriving from device i.
+
+  Under a vmap its batching rule (jax 0.10.2) asserts that each offset and
+  size is batched, so all four must depend on the batched data."""
   output_SxD = _varying_alike(jnp.zeros((size, rows_RxD.shape[1]), rows_RxD.dtype), rows_RxD)[0]
   return lax.ragged_all_to_all(rows_RxD, output_SxD, offsets_N, sizes_N, their_offsets_N,
                                received_N, axis_name=axes)
