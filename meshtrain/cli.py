@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -205,6 +206,17 @@ def _costs(text: str) -> tuple[float, float, float]:
   return costs
 
 
+def _planned_config_args(cfg) -> str:
+  """The `train` flags of the config a search plans: the --config file, the
+  --config.* overrides given (the search's own come after them) and the
+  batch and length it planned for."""
+  overrides = {**config_flags.get_override_values(flags.FLAGS["config"]),
+               "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
+  return " ".join([f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
+                   *(f"--config.{key}={shlex.quote(str(value))}"
+                     for key, value in overrides.items())])
+
+
 def _search(cfg) -> None:
   if not _DEVICES.value or _DEVICES.value < 1:
     raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
@@ -228,7 +240,7 @@ def _search(cfg) -> None:
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
   cluster = clusters.load(_CLUSTER.value)
-  config_arg = f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}"
+  config_arg = _planned_config_args(cfg)
   if _MESH.value is not None:
     explained = search.explain(cfg, _DEVICES.value, cluster,
                                search.parse_mesh(_MESH.value, _DEVICES.value))

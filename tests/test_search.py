@@ -437,12 +437,15 @@ def test_search_command_prints_json_with_ready_command_lines(tmp_path):
   cluster.write_text(json.dumps(dict(peak_flops=400e12, hbm_bytes=40e9, intra_host=200e9,
                                      inter_host=25e9, devices_per_host=4)))
   result = plan("--config", "configs/llama_1b.py", "--search", "--devices", "16", "--cluster",
-                str(cluster), "--top", "3", "--global_batch", "32", "--json")
+                str(cluster), "--top", "3", "--global_batch", "32", "--seq_len", "512",
+                "--config.compute_dtype=float32", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
   assert report["cluster"]["name"] == "mine" and len(report["results"]) == 3
-  for row in report["results"]:
-    assert row["command"].startswith("meshtrain train --config=configs/llama_1b.py --config.mesh.")
+  for row in report["results"]:  # what was planned: the overrides, batch and length too
+    assert row["command"].startswith(
+        "meshtrain train --config=configs/llama_1b.py --config.compute_dtype=float32 "
+        "--config.global_batch=32 --config.seq_len=512 --config.mesh."), row["command"]
     assert row["memory_bytes"]["total"] <= 0.9 * 40e9
 
 
