@@ -388,10 +388,15 @@ MESHES = {
 @pytest.mark.parametrize("gemm", experts.GEMMS)
 @pytest.mark.parametrize("name", MESHES)
 def test_experts_split_over_mesh_axes_equal_the_plain_loop(name, gemm):
+  assert_split_experts_equal_the_plain_loop(name, gemm)
+
+
+def assert_split_experts_equal_the_plain_loop(name, gemm="tiled", dispatch="padded"):
+  """Values, gradients, switch loss and loads of the layer on `MESHES[name]`."""
   sizes, axes = MESHES[name]
   mesh = mesh_of(**sizes)
   cfg = dataclasses.replace(CONFIGS["softmax top-2 of 8"], grouped_gemm=gemm)
-  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes))
+  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes, dispatch=dispatch))
   x, cotangent = inputs(batch=8, length=8)
   rules = r.strategy_rules(mesh, expert_axes=axes)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
@@ -565,12 +570,16 @@ def test_tensor_devices_dispatching_their_share_equal_one_device(case):
   share of the length would need buckets as big as the whole's): values,
   gradients and dropped counts equal the layer on one device, with a router
   skewed so that capacity drops."""
+  assert_tensor_shares_equal_one_device(case)
+
+
+def assert_tensor_shares_equal_one_device(case, dispatch="padded"):
   capacity_factor, sequence_parallel, split = TENSOR_DISPATCH[case]
   cfg = MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=capacity_factor)
   x, cotangent = inputs(batch=8, length=8)
   assert experts.tensor_split(8 // 4, 8, 2, 2, 8 // 4, cfg.capacity(8)) == split
   sharded = layer(cfg, functools.partial(experts.expert_parallel, axes=("fsdp",),
-                                         per_sequence=cfg.capacity(8)))
+                                         per_sequence=cfg.capacity(8), dispatch=dispatch))
   one_device = layer(cfg)
   for moe in (sharded, one_device):
     moe.router_DxE[...] = moe.router_DxE[...].at[:, 0].add(2.0)

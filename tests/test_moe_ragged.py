@@ -8,7 +8,6 @@ example), and the layer and the training step with it are compared with a
 plain loop over experts and with one device. The program XLA would receive
 holds the real collective: that is read from the lowered step."""
 
-import functools
 import math
 import re
 
@@ -16,19 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
-from test_moe import (CONFIGS, MOE, MESHES, STEPS, TENSOR_DISPATCH, assert_close, inputs, layer,
-                      layer_value_and_grads, mesh_of, plain_value_and_grads)
-from meshtrain import rules as r
+from test_moe import (MOE, MESHES, STEPS, TENSOR_DISPATCH, mesh_of,
+                      assert_split_experts_equal_the_plain_loop,
+                      assert_tensor_shares_equal_one_device)
 from meshtrain.analysis.plan import plan
-from meshtrain.models.moe import MoEConfig
 from meshtrain.parallel import experts
 from meshtrain.train.setup import ConfigError, build
 
@@ -80,26 +76,14 @@ def test_the_emulation_gives_the_docstrings_example():
   np.testing.assert_array_equal(result, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
-RAGGED_MESHES = {name: MESHES[name] for name in MESHES if name != "no expert parallelism, data=8"}
+SPLIT = [name for name in MESHES if name != "no expert parallelism, data=8"]
 
 
-@pytest.mark.parametrize("name", RAGGED_MESHES)
+@pytest.mark.parametrize("name", SPLIT)
 def test_ragged_dispatch_equals_the_plain_loop(emulated, name):
   """Values and gradients of the layer, experts split over the mesh and the
   rows sent ragged, against the plain loop over experts."""
-  sizes, axes = RAGGED_MESHES[name]
-  mesh = mesh_of(**sizes)
-  cfg = CONFIGS["softmax top-2 of 8"]
-  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes, dispatch="ragged"))
-  x, cotangent = inputs(batch=8, length=8)
-  rules = r.strategy_rules(mesh, expert_axes=axes)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
-    tokens = NamedSharding(mesh, r.logical_to_spec((r.BATCH, r.LENGTH), rules.params))
-    y, _, grads = jax.jit(lambda x, c: layer_value_and_grads(moe, x, c))(
-        jax.device_put(x, tokens), jax.device_put(cotangent, tokens))
-  ref_y, ref_grads = plain_value_and_grads(moe, x, cotangent, cfg)
-  assert_close(y, ref_y)
-  assert_close(grads, ref_grads)
+  assert_split_experts_equal_the_plain_loop(name, dispatch="ragged")
 
 
 @pytest.mark.parametrize("case", TENSOR_DISPATCH)
@@ -107,24 +91,7 @@ def test_ragged_dispatch_of_tensor_shares_with_capacity_drops_equals_one_device(
   """tensor=2 x fsdp=4, each tensor device sending its share, a router skewed
   to one expert (so that a capacity drops and the sends are uneven): values,
   gradients and dropped counts equal the layer on one device."""
-  capacity_factor, sequence_parallel, _ = TENSOR_DISPATCH[case]
-  cfg = MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=capacity_factor)
-  x, cotangent = inputs(batch=8, length=8)
-  sharded = layer(cfg, functools.partial(experts.expert_parallel, axes=("fsdp",),
-                                         per_sequence=cfg.capacity(8), dispatch="ragged"))
-  one_device = layer(cfg)
-  for moe in (sharded, one_device):
-    moe.router_DxE[...] = moe.router_DxE[...].at[:, 0].add(2.0)
-  mesh = mesh_of(fsdp=4, tensor=2)
-  rules = r.strategy_rules(mesh, tensor_sequence_parallel=sequence_parallel)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
-    tokens = NamedSharding(mesh, r.logical_to_spec((r.BATCH, r.RES_LENGTH), rules.params))
-    y, stats, grads = jax.jit(lambda x, c: layer_value_and_grads(sharded, x, c))(
-        jax.device_put(x, tokens), jax.device_put(cotangent, tokens))
-  ref_y, ref_stats, ref_grads = layer_value_and_grads(one_device, x, cotangent)
-  assert_close(y, ref_y)
-  assert_close(grads, ref_grads)
-  assert float(stats.dropped) == float(ref_stats.dropped)
+  assert_tensor_shares_equal_one_device(case, dispatch="ragged")
 
 
 RAGGED = {**MOE, "model.moe.dispatch": "ragged"}
