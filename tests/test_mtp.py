@@ -341,6 +341,45 @@ def test_half_precision_tracks_float32(dtype):
                                [m[key] for m in logged["float32"]], atol=0.03)
 
 
+def test_plan_counts_the_modules_residuals_as_the_compiled_forward_saves_them():
+  """The residuals `plan` traces from the train step's loss, modules
+  included, against the outputs of `jax.vjp`'s forward compiled on fsdp=8
+  (test_residuals.py's measure), with none and two modules; and `plan`'s
+  activations grow by the modules' share, also on a pipeline's last stage,
+  which keeps the head's residuals."""
+  from test_residuals import compiled_residual_bytes
+  import meshtrain
+  from meshtrain.analysis import residuals
+  from meshtrain.analysis.plan import llama_loss, plan
+  from meshtrain.train.setup import build
+  saved = {}
+  for depth in (0, 2):
+    cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": depth})
+    setup = build(cfg)
+    batch = {k: jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32,
+                                     sharding=setup.train_step.batch_sharding)
+             for k in ("inputs", "targets")}
+    planned = sum(x.device_bytes for x in residuals.saved_residuals(
+        llama_loss(setup.spec), setup.spec.abstract_params, setup.spec.names, batch,
+        setup.mesh.abstract_mesh, setup.rules))
+
+    def train_loss(params, batch, depth=depth):  # the train step's
+      return model_loss(nnx.merge(setup.spec.graphdef, params),
+                        with_loss_weights(batch, depth))[0]
+    measured = compiled_residual_bytes(
+        train_loss, setup.spec.abstract_params,
+        meshtrain.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params), batch,
+        setup.train_step._context)
+    assert planned == pytest.approx(measured, rel=0.05), depth
+    saved[depth] = planned
+  assert saved[2] > saved[0]
+  for mesh in ({"mesh.data": 1, "mesh.fsdp": 8},
+               {"mesh.data": 1, "mesh.fsdp": 4, "mesh.pipeline": 2}):
+    activations = [plan(micro_config(**mesh, **{"model.mtp_layers": depth}), 8, False)[
+        "analytic"]["memory_bytes"]["activations"] for depth in (0, 2)]
+    assert activations[1] - activations[0] >= saved[2] - saved[0], mesh
+
+
 def test_the_planner_gives_the_modules_work_to_the_last_pipeline_chunk():
   """`plan --search`'s step model: 4 layers as 2 + 2 on 2 stages of 4
   devices, with two modules: the last chunk does the first's layers, the

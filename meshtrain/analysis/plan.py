@@ -44,7 +44,7 @@ from meshtrain.models import flops, mla
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.parallel import experts, sequence
 from meshtrain.train import local_sgd, setup as setup_lib
-from meshtrain.train.loss import cross_entropy
+from meshtrain.train.loss import model_loss, with_loss_weights
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, slots,
                                          stage_layout)
 from meshtrain.train.state import merged
@@ -453,10 +453,10 @@ def _gathers(names, cfg, in_ticks: bool = False) -> float:
 
 def llama_loss(spec):
   """The train step's loss of meshtrain's Llama, `loss(params, batch)` (the
-  model state, if any, as it starts)."""
+  model state, if any, as it starts), its multi-token prediction included."""
   def loss_fn(params, batch):
     model = merged(spec, params, spec.init_model_state())
-    return cross_entropy(model(batch["inputs"]), batch["targets"])
+    return model_loss(model, with_loss_weights(batch, model.cfg.mtp_layers))[0]
   return loss_fn
 
 
