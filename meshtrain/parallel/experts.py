@@ -35,8 +35,8 @@ The all-to-all (`model.moe.dispatch`):
                padded dropless bucket sends n x min(K, E_local) / K times
                that). GPUs and TPUs only: XLA:CPU cannot compile it, so on a
                CPU it is checked against an emulation of its documented
-               semantics (tests/test_moe_ragged.py), and on a GPU by
-               bench/gpu.py.
+               semantics (tests/test_moe_ragged.py); not yet run on GPUs (a
+               lent machine has one, the collective needs two or more).
 
 Rows reach the grouped GEMM (sorted by expert, in tiles, in the buckets
 of the all-to-all) and come back by gathers whose gradients are gathers too
