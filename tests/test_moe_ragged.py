@@ -24,7 +24,7 @@ from reference import random_batches
 from test_moe import (MOE, MESHES, STEPS, TENSOR_DISPATCH, mesh_of,
                       assert_split_experts_equal_the_plain_loop,
                       assert_tensor_shares_equal_one_device)
-from meshtrain.analysis.plan import plan
+from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.parallel import experts
 from meshtrain.train.setup import ConfigError, build
 
@@ -189,3 +189,5 @@ def test_plan_counts_the_rows_a_ragged_dispatch_sends():
   padded_bytes = {(c["kind"], c["axis"]): c["bytes"]
                   for c in plan(padded, 8, False)["collectives"]}["all-to-all", "fsdp"]
   assert padded_bytes > 3.5 * planned["all-to-all", "fsdp"]  # n x min(K, E_local) / K = 4
+  assert "balanced routing" in format_plan(plan(cfg, 8, False))
+  assert "balanced routing" not in format_plan(plan(padded, 8, False))

@@ -637,6 +637,9 @@ def plan(cfg, num_devices: int, compile_step: bool) -> dict:
   if compile_step:
     report["measured"] = measured(setup_lib.build(cfg))
   report["collectives"] = report["measured" if compile_step else "analytic"]["collectives"]
+  if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged":
+    report["notes"] = ["the experts' all-to-alls are ragged: their bytes are those balanced "
+                       "routing sends; the real ones follow the routing"]
   return report
 
 
@@ -674,4 +677,5 @@ def format_plan(report: dict) -> str:
   if "measured" in report and report["mesh"]["pipeline"] > 1:
     lines.append("  (measured counts are static: every branch of the pipeline's tick as if it "
                  "ran; bench/strategies.py profiles a real step)")
+  lines += [f"  ({note})" for note in report.get("notes", [])]
   return "\n".join(lines)
