@@ -361,14 +361,11 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
     counts_NxL1 = lax.all_to_all(jnp.concatenate([counts_NxL, starts_N[:, None]], axis=1), axes,
                                  0, 0, tiled=True)
     counts_NxL, their_starts_N = counts_NxL1[:, :-1], counts_NxL1[:, -1]
-    # jax 0.10 batches the collective (local SGD's vmap over replicas) only
-    # where every offset varies with the batch: the fixed ones are derived
-    # from the counts (`_ragged_all_to_all`'s caveat).
-    zero_N = sent_N * 0
-    slots_N = zero_N + jnp.arange(n, dtype=jnp.int32) * capacity
-    mine_N = zero_N + lax.axis_index(axes).astype(jnp.int32) * capacity
-    rows_MxD = _ragged_all_to_all(send_MxD, n * capacity, starts_N, sent_N, mine_N,
-                                  counts_NxL.sum(1), axes)
+    received_N = counts_NxL.sum(1)
+    slots_N = jnp.arange(n, dtype=jnp.int32) * capacity  # source i's slot here
+    mine_N = jnp.full((n,), lax.axis_index(axes) * capacity, jnp.int32)  # my slot there
+    rows_MxD = _ragged_all_to_all(send_MxD, n * capacity, starts_N, sent_N, mine_N, received_N,
+                                  axes)
   elif n > 1:
     rows_MxD = lax.all_to_all(send_MxD.reshape(n, capacity, d), axes, 0, 0,
                               tiled=True).reshape(n * capacity, d)
@@ -388,8 +385,8 @@ def _exchange(x_TxD, expert_TxK, weight_TxK, w_gate, w_up, w_down, *, axes: tupl
   elif tensor:  # each tensor device ran its slice of the hidden width
     out_MxD = lax.psum(out_MxD, tensor)
   if ragged:
-    back_MxD = _ragged_all_to_all(out_MxD, t * k, slots_N, counts_NxL.sum(1), their_starts_N,
-                                  sent_N, axes)
+    back_MxD = _ragged_all_to_all(out_MxD, t * k, slots_N, received_N, their_starts_N, sent_N,
+                                  axes)
   elif n > 1:
     back_MxD = lax.all_to_all(out_MxD.reshape(n, capacity, d), axes, 0, 0,
                               tiled=True).reshape(n * capacity, d)
@@ -407,11 +404,13 @@ def _ragged_all_to_all(rows_RxD: jax.Array, size: int, offsets_N: jax.Array, siz
   placed there at `their_offsets_N[j]` of a buffer of `size` rows (zero
   where nothing arrives), `received_N[i]` arriving from device i.
 
-  Under a vmap its batching rule (jax 0.10.2) asserts that each offset and
-  size is batched, so all four must depend on the batched data."""
+  Under a vmap (local SGD's replicas) jax 0.10.2's batching rule of the
+  collective asserts that every offset and size is batched, so each is made
+  to depend on `sizes_N`, which the routing gives."""
   output_SxD = _varying_alike(jnp.zeros((size, rows_RxD.shape[1]), rows_RxD.dtype), rows_RxD)[0]
-  return lax.ragged_all_to_all(rows_RxD, output_SxD, offsets_N, sizes_N, their_offsets_N,
-                               received_N, axis_name=axes)
+  zero_N = sizes_N * 0
+  return lax.ragged_all_to_all(rows_RxD, output_SxD, offsets_N + zero_N, sizes_N,
+                               their_offsets_N + zero_N, received_N + zero_N, axis_name=axes)
 
 
 def _token_axes(mesh, batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
