@@ -15,7 +15,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from conftest import REPO, micro_config
+from conftest import REPO, micro_config, tiered
 from meshtrain.analysis import calibration, clusters, costs, published, search
 from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
@@ -24,6 +24,26 @@ from meshtrain.mesh import AXES
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
 from meshtrain.train.setup import sharding_rules
+
+
+def assert_scaled_match_traced(changes: dict, mesh: dict, remat: str, tolerance: float,
+                               strategy: str | None, expert_parallel: str | None = None):
+  """The search's activation and backward bytes of the micro model with
+  `changes` on `mesh` equal `plan`'s, which traces the model on the mesh."""
+  cfg = micro_config(**{"model.num_kv_heads": 4, "remat": remat, "model.num_layers": 4,
+                        "tensor_sequence_parallel": mesh.get("tensor", 1) > 1, **changes})
+  cfg.mesh.update(mesh)
+  sizes = abstract_mesh(cfg.mesh, 8).shape
+  model = search.StepModel(cfg, clusters.PRESETS["tpu_v5p"])  # XLA's attention, as traced
+  candidate = search.Candidate(tuple(sizes.items()), remat=remat,
+                               microbatches=cfg.pipeline.microbatches,
+                               tensor_sequence_parallel=cfg.tensor_sequence_parallel,
+                               sequence_strategy=strategy, expert_parallel=expert_parallel)
+  cfg = candidate.config(cfg)
+  mesh = abstract_mesh(cfg.mesh, 8)
+  exact = (activation_bytes(cfg, mesh, sharding_rules(cfg, mesh)),
+           backward_bytes(cfg, mesh, sharding_rules(cfg, mesh)))
+  assert model.activation_and_backward_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
 
 
 @pytest.mark.parametrize("mesh, remat, tolerance, strategy", [
@@ -39,20 +59,40 @@ def test_scaled_activations_match_the_traced_ones(mesh, remat, tolerance, strate
   test_residuals.py). They agree; under `sequence` the attention's residuals
   are traced at sequence=2 with the candidate's strategy, and their shapes
   change a little with the split."""
-  cfg = micro_config(**{"model.num_kv_heads": 4, "remat": remat, "model.num_layers": 4,
-                        "tensor_sequence_parallel": mesh.get("tensor", 1) > 1})
-  cfg.mesh.update(mesh)
-  sizes = abstract_mesh(cfg.mesh, 8).shape
-  model = search.StepModel(cfg, clusters.PRESETS["tpu_v5p"])  # XLA's attention, as traced
-  candidate = search.Candidate(tuple(sizes.items()), remat=remat,
-                               microbatches=cfg.pipeline.microbatches,
-                               tensor_sequence_parallel=cfg.tensor_sequence_parallel,
-                               sequence_strategy=strategy)
-  cfg = candidate.config(cfg)
-  mesh = abstract_mesh(cfg.mesh, 8)
-  exact = (activation_bytes(cfg, mesh, sharding_rules(cfg, mesh)),
-           backward_bytes(cfg, mesh, sharding_rules(cfg, mesh)))
-  assert model.activation_and_backward_bytes(cfg, candidate) == pytest.approx(exact, rel=tolerance)
+  assert_scaled_match_traced({}, mesh, remat, tolerance, strategy)
+
+
+MOE_TRACE = {"model.moe.num_experts": 8, "model.moe.experts_per_token": 2, "seq_len": 64,
+             "global_batch": 64}
+
+
+@pytest.mark.parametrize("case", tiered([
+    (dict(data=2, fsdp=4), "none", "fsdp", None, 0.0),
+    (dict(data=2, fsdp=2, tensor=2), "none", "data,fsdp", None, 1.25),
+    (dict(data=2, fsdp=2, sequence=2), "none", "data,fsdp", "ring", 0.0),
+    (dict(data=2, fsdp=2, sequence=2), "selective", "fsdp", "ulysses", 0.0),
+    (dict(fsdp=4, pipeline=2), "full", "fsdp", None, 0.0),
+    (dict(fsdp=2, sequence=2, tensor=2), "selective", "fsdp,sequence", "all_gather_kv", 1.25),
+    (dict(data=8), "selective", "", None, 0.0),
+], quick=[(dict(data=2, fsdp=4), "none", "fsdp", None, 0.0)]))
+def test_scaled_moe_activations_match_the_traced_ones(case):
+  """An MoE model's residuals hold what does not grow with the rows (each
+  device's working copy of its experts, the tiles of the grouped GEMM at the
+  least) beside what does, and without recomputation the buffers of tokens
+  expert parallelism brings grow with the devices that split the experts:
+  the search's scaled traces still agree with `plan`'s exact one, with every
+  expert split, dropless and with a capacity."""
+  mesh, remat, experts, strategy, capacity = case
+  assert_scaled_match_traced({**MOE_TRACE, "model.moe.capacity_factor": capacity}, mesh, remat,
+                             0.05, strategy, experts)
+
+
+def test_a_search_counts_the_multi_token_prediction_modules_activations():
+  """DeepSeek-V3's module (an MoE block beside the head) saves residuals of
+  its own, counted as `plan` counts them; on 0 modules and 1."""
+  for depth in (0, 1):
+    assert_scaled_match_traced({**MOE_TRACE, "model.mtp_layers": depth}, dict(data=2, fsdp=4),
+                               "selective", 0.05, None, "fsdp")
 
 
 @pytest.mark.slow

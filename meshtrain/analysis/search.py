@@ -216,64 +216,100 @@ def across_hosts(sizes: dict, cluster: Cluster) -> list[str]:
   return crossing[::-1]
 
 
-# Layers and sequences of the traced model: odd numbers no model dimension is
-# likely to equal, so that stacked and per-sequence residuals stand out.
-TRACED_LAYERS, TRACED_ROWS = 7, 22  # rows: 11 per device of the traced mesh
+# Layers of the traced model, an odd number no model dimension is likely to
+# equal, so that stacked residuals stand out; and the sequences a device runs
+# in the first of its two traces (twice as many in the second): as few as a
+# large model's microbatch puts on a device.
+TRACED_LAYERS, TRACED_ROWS = 7, 2
 
 
 class _ActivationModel:
-  """Per-device activation bytes for any mesh from one trace per kind of
+  """Per-device activation bytes for any mesh from a few traces per kind of
   layout: the residuals of the model on a mesh of 2s with the same kinds of
-  splits, each scaled to the real mesh by the axes that split it, to the
-  real rows and (stacked over the layers' scan) to the real depth."""
+  splits (and the candidate's degree of expert parallelism), traced on two
+  row counts, each scaled to the real mesh by the axes that split it, to the
+  real rows (a part per row and a part that is not: an expert's working
+  weights, or the tiles of its grouped GEMM at the least) and, stacked over
+  the layers' scan, to the real depth."""
 
   def __init__(self, cfg, flash: bool):
     self.cfg, self.flash = cfg, flash
 
   @functools.cache
-  def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool):
-    """The residuals of a TRACED_LAYERS-layer model on TRACED_ROWS sequences,
-    on a mesh of 2s (`sequence` 2 with context-parallel `strategy`, 1 without
-    one), summed by how they scale: (bytes, split over data?, tensor?,
-    sequence?, per sequence?, stacked over layers?, attention scores?)."""
-    sizes = {"data": 2, "tensor": 2 if tensor else 1, "sequence": 2 if strategy else 1}
+  def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool,
+              experts: int) -> dict[tuple, tuple[float, float]]:
+    """The residuals of a TRACED_LAYERS-layer model on a mesh of 2s
+    (`sequence` 2 with context-parallel `strategy`, 1 without one), or with
+    the routed experts split over `data` = `experts` devices (an axis that
+    splits no weight), summed by how they scale, (split over tensor?,
+    sequence?, stacked over layers?, attention scores?): (bytes a device
+    holds whatever its rows, bytes a row), the line through TRACED_ROWS and
+    twice that sequences a device."""
+    sizes = {"data": max(experts, 2), "tensor": 2 if tensor else 1,
+             "sequence": 2 if strategy else 1}
     mesh = _abstract_mesh(sizes)
-    rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv)
+    expert_axes = ("data",) if experts > 1 else ()
+    rules = r.strategy_rules(mesh, 0, tensor_sequence_parallel=tensor, split_kv_heads=split_kv,
+                             expert_axes=expert_axes)
     model_cfg = plan_lib.traced_model(self.cfg, TRACED_LAYERS, remat)
     cfg = ml_collections.ConfigDict(self.cfg.to_dict())
     cfg.attention.sequence_strategy = strategy or cfg.attention.sequence_strategy
+    cfg.expert_parallel = ",".join(expert_axes)
     spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
-    batch = {k: jax.ShapeDtypeStruct((TRACED_ROWS, self.cfg.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
-    saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
-                                      spec.names, batch, mesh, rules)
-    groups = collections.Counter()
-    for x in saved:
-      axes = {a for split in x.spec for a in split}
-      stacked = x.shape[0] == TRACED_LAYERS and not x.spec[0]
-      scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
-      per_row = "data" in axes or TRACED_ROWS in x.shape[:2]
-      groups[(*(a in axes for a in ("data", "tensor", "sequence")), per_row, stacked,
-              scores)] += x.bytes
-    return [(nbytes, *kind) for kind, nbytes in groups.items()]
+
+    def kinds(rows: int) -> collections.Counter:
+      batch = {k: jax.ShapeDtypeStruct((rows * sizes["data"], self.cfg.seq_len), jnp.int32)
+               for k in ("inputs", "targets")}
+      saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
+                                        spec.names, batch, mesh, rules)
+      by_kind = collections.Counter()
+      for x in saved:
+        axes = {a for split in x.spec for a in split}
+        stacked = x.shape[:1] == (TRACED_LAYERS,) and not x.spec[0]  # not a scalar's
+        scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
+        by_kind[("tensor" in axes, "sequence" in axes, stacked, scores)] += x.device_bytes
+      return by_kind
+
+    one, two = kinds(TRACED_ROWS), kinds(2 * TRACED_ROWS)
+    return {kind: (2 * one[kind] - two[kind], (two[kind] - one[kind]) / TRACED_ROWS)
+            for kind in one | two}
+
+  @functools.cache
+  def _scaling(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool,
+               experts: int) -> list[tuple]:
+    """`_traced`'s kinds as (fixed bytes, bytes a row, *kind), expert
+    parallelism added as the difference it makes to the layout traced with
+    all_gather_kv (it changes the experts, the strategy the attention: one
+    trace per expert split, not per split and strategy), where it changes
+    anything: where the experts split over 2 devices change nothing the
+    layout keeps, it keeps none of their weights or tokens (recomputation
+    saves none of them in a model without multi-token prediction modules),
+    and no split changes it."""
+    kinds = collections.defaultdict(lambda: (0.0, 0.0), self._traced(
+        remat, tensor, strategy, split_kv, 1))
+    alike = strategy and "all_gather_kv"
+    if experts > 1 and (self._traced(remat, tensor, alike, split_kv, 2)
+                        != self._traced(remat, tensor, alike, split_kv, 1)):
+      for sign, split in ((1, experts), (-1, 1)):
+        for kind, line in self._traced(remat, tensor, alike, split_kv, split).items():
+          kinds[kind] = tuple(a + sign * b for a, b in zip(kinds[kind], line))
+    return [(*line, *kind) for kind, line in kinds.items()]
 
   def bytes(self, sizes: dict, remat: str, rows: float, layers: int,
-            strategy: str | None = None) -> tuple[float, float]:
+            strategy: str | None = None, experts: int = 1) -> tuple[float, float]:
     """Residuals of `layers` layers, and of embedding, head and loss, on
     `rows` sequences per device (sequence parallelism whenever `tensor`
-    splits; under `sequence`, context-parallel `strategy`, default the config's)."""
+    splits; under `sequence`, context-parallel `strategy`, default the
+    config's; the routed experts split over `experts` devices)."""
     t, s = sizes["tensor"], sizes["sequence"]
-    replicas = sizes["data"] * sizes["fsdp"]
     totals = [0.0, 0.0]
     strategy = (strategy or self.cfg.attention.sequence_strategy) if s > 1 else None
-    for nbytes, data, tensor, seq, per_row, stacked, scores in self._traced(
-        remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0):
+    for fixed, per_row, tensor, seq, stacked, scores in self._scaling(
+        remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0, experts):
       if scores and self.flash:  # whole-length scores: a flash kernel keeps none
         continue
-      nbytes *= (rows * replicas / TRACED_ROWS if per_row else 1) * (
-          layers / TRACED_LAYERS if stacked else 1)
-      totals[not stacked] += nbytes / (replicas if data else 1) / (t if tensor else 1) / (
-          s if seq else 1)
+      nbytes = (fixed + per_row * rows) * (layers / TRACED_LAYERS if stacked else 1)
+      totals[not stacked] += nbytes * (2 / t if tensor else 1) * (2 / s if seq else 1)
     return totals[0], totals[1]
 
 
@@ -337,6 +373,14 @@ class StepModel:
     self.activations = _ActivationModel(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
 
+  def expert_split(self, c: Candidate) -> int:
+    """The devices that split the routed experts (`config.expert_parallel`;
+    1 in a dense model)."""
+    if not self.model_cfg.moe.num_experts:
+      return 1
+    layout = self.cfg.expert_parallel if c.expert_parallel is None else c.expert_parallel
+    return math.prod(c.sizes[a.strip()] for a in layout.split(",") if a.strip())
+
   def recompute_per_token(self, c: Candidate) -> float:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
@@ -360,8 +404,7 @@ class StepModel:
     moe = self.model_cfg.moe
     if not moe.num_experts:
       return gemms + [(tokens, d, 2 * m.mlp_dim / t), (tokens, m.mlp_dim / t, d)]
-    axes = [a for a in (c.expert_parallel or "").split(",") if a]
-    split = math.prod(c.sizes[a] for a in axes)
+    split = self.expert_split(c)
     local = moe.num_experts / split
     routed = tokens * split * moe.experts_per_token / moe.num_experts  # per local expert
     width = (moe.mlp_dim or m.mlp_dim) / t
@@ -463,9 +506,9 @@ class StepModel:
       inputs = (input_slots * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
     saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
-                                         c.sequence_strategy)
+                                         c.sequence_strategy, self.expert_split(c))
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
-                                          c.sequence_strategy)[0]
+                                          c.sequence_strategy, self.expert_split(c))[0]
     return int(inputs + residual_slots * saved + head_slots * head), int(backward)
 
   def buffer_bytes(self, cfg, c: Candidate) -> int:
