@@ -88,11 +88,13 @@ def test_scaled_moe_activations_match_the_traced_ones(case):
 
 
 def test_a_search_counts_the_multi_token_prediction_modules_activations():
-  """DeepSeek-V3's module (an MoE block beside the head) saves residuals of
-  its own, counted as `plan` counts them; on 0 modules and 1."""
+  """DeepSeek's modules (an MoE block with Multi-head Latent Attention beside
+  the head) save residuals of their own, a scalar among them, counted as
+  `plan` counts them; on 0 modules and 1."""
+  mla = {"model.mla.kv_lora_rank": 16, "model.mla.rope_head_dim": 4}
   for depth in (0, 1):
-    assert_scaled_match_traced({**MOE_TRACE, "model.mtp_layers": depth}, dict(data=2, fsdp=4),
-                               "selective", 0.05, None, "fsdp")
+    assert_scaled_match_traced({**MOE_TRACE, **mla, "model.mtp_layers": depth},
+                               dict(data=2, fsdp=4), "none", 0.05, None, "fsdp")
 
 
 @pytest.mark.slow
