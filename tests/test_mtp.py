@@ -380,6 +380,20 @@ def test_plan_counts_the_modules_residuals_as_the_compiled_forward_saves_them():
     assert activations[1] - activations[0] >= saved[2] - saved[0], mesh
 
 
+
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_under_recomputation_the_modules_keep_no_copy_of_their_weights(remat):
+  """Module k's weights are sliced out of the stacked ones inside the
+  recomputed function, so what the head and the modules keep for the
+  backward grows with the sequences alone: nothing fixed beside it."""
+  from meshtrain.analysis.plan import abstract_mesh, layer_and_head_residuals
+  from meshtrain.train.setup import sharding_rules
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": 2, "remat": remat})
+  mesh = abstract_mesh(cfg.mesh, 8)
+  heads = [layer_and_head_residuals(cfg, mesh, sharding_rules(cfg, mesh), rows, remat)[1]
+           for rows in (8, 16)]
+  assert heads[1] == 2 * heads[0]
+
 def test_the_planner_gives_the_modules_work_to_the_last_pipeline_chunk():
   """`plan --search`'s step model: 4 layers as 2 + 2 on 2 stages of 4
   devices, with two modules: the last chunk does the first's layers, the

@@ -283,7 +283,7 @@ class _ActivationModel:
     trace per expert split, not per split and strategy), where it changes
     anything: where the experts split over 2 devices change nothing the
     layout keeps, it keeps none of their weights or tokens (recomputation
-    saves none of them in a model without multi-token prediction modules),
+    saves none of them),
     and no split changes it."""
     kinds = collections.defaultdict(lambda: (0.0, 0.0), self._traced(
         remat, tensor, strategy, split_kv, 1))

@@ -609,19 +609,20 @@ def predict_ahead(embed: Embed, head: Head, mtp: MultiTokenPrediction, cfg: Llam
   nothing here shifts along the length, whatever order or split it comes in."""
   graphdef, mtp_state = nnx.split(mtp)
 
-  def depth(state, h_BxLxD, ahead_BxL):
-    return nnx.merge(graphdef, state).forward(h_BxLxD, embed(ahead_BxL), positions_BxL,
-                                              segment_ids_BxL)
+  def depth(k, state, h_BxLxD, ahead_BxL):
+    module = nnx.merge(graphdef, jax.tree.map(lambda w: w[k], state))
+    return module.forward(h_BxLxD, embed(ahead_BxL), positions_BxL, segment_ids_BxL)
 
   if cfg.remat != "none":
-    depth = jax.checkpoint(depth, policy=REMAT_POLICIES[cfg.remat])
+    # Module k's weights are sliced inside the recomputed function, so that
+    # its backward slices them again rather than keeping the slices.
+    depth = jax.checkpoint(depth, policy=REMAT_POLICIES[cfg.remat], static_argnums=(0,))
   # A loop, not a scan: differentiated, a scan stacks the residuals of an
   # expert exchange nested in the pipeline's shard_map, which Shardy refuses.
   normed_BxLxD = head.final_norm(x_BxLxD)
   h_BxLxD, hidden, stats = normed_BxLxD, [], []
   for k in range(cfg.mtp_layers):
-    h_BxLxD, counts = depth(jax.tree.map(lambda w: w[k], mtp_state), h_BxLxD,
-                            ahead_BxLxK[..., k])
+    h_BxLxD, counts = depth(k, mtp_state, h_BxLxD, ahead_BxLxK[..., k])
     hidden.append(h_BxLxD)
     stats.append(counts)
   tied_VxD = embed.table() if cfg.tie_embeddings else None
