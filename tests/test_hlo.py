@@ -125,6 +125,28 @@ def test_all_to_all():
   ]
 
 
+def test_ragged_all_to_all_is_an_all_to_all_of_the_rows_it_may_send():
+  """Read from the HLO XLA receives (XLA:CPU cannot compile the op): the
+  bytes are its first operand's, the rows it may send, not its output
+  buffer's or its offsets'."""
+  mesh = make_mesh(*MESH_2x4)
+  shard = NamedSharding(mesh, P("fsdp"))
+  rows = jax.ShapeDtypeStruct((32, 3), jnp.bfloat16, sharding=shard)  # 8 rows a device
+  counts = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=shard)  # 4 a device, one a peer
+
+  def send(rows_RxD, offsets, sizes, their_offsets, received):
+    output_SxD = jnp.zeros((12, 3), rows_RxD.dtype)
+    return lax.ragged_all_to_all(rows_RxD, output_SxD, offsets, sizes, their_offsets, received,
+                                 axis_name="fsdp")
+
+  lowered = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=(P("fsdp"),) * 5,
+                                  out_specs=P("fsdp"))).lower(rows, *[counts] * 4)
+  op = only(hlo.collective_ops(lowered.compiler_ir("hlo").as_hlo_text(), mesh))
+  assert (op.opcode, op.kind, op.axis, op.group_size) == (
+      "ragged-all-to-all", "all-to-all", "fsdp", 4)
+  assert op.operand_bytes == 8 * 3 * 2 and op.bytes == 8 * 3 * 2 * 3 // 4
+
+
 @pytest.mark.parametrize("shape,names,axis", MESH_AXES)
 def test_ppermute_is_collective_permute(shape, names, axis):
   mesh = make_mesh(shape, names)

@@ -16,6 +16,11 @@ operand size in bytes, n the number of devices in a group):
   all-to-all          N (n - 1) / n
   collective-permute  N
 
+A `ragged-all-to-all` (`lax.ragged_all_to_all`) is reported as an all-to-all
+of its first operand, the rows it may send: how many it does send is known
+only when it runs, so the bytes are the most it moves, which routing reaches
+only when every row goes to other devices.
+
 Tuple-shaped ops (several operands in one op) sum their operands. Each value is
 rounded down to whole bytes, then multiplied by the execution count.
 
@@ -63,6 +68,7 @@ KINDS = (
     "all-to-all",
     "collective-permute",
 )
+_RAGGED = "ragged-all-to-all"  # operands: rows, output buffer, offsets and sizes
 # Ops that forward their input's value whole; a slice after them still slices
 # it. `convert` is here because CPU runs bf16 collectives in f32 and converts.
 _PASS_THROUGH = ("bitcast", "reshape", "copy", "convert", "get-tuple-element")
@@ -105,8 +111,8 @@ class CollectiveOp:
   Attributes:
     name: the HLO instruction name, e.g. "all-reduce.1".
     opcode: the HLO opcode without "-start", e.g. "all-reduce".
-    kind: what the op does; differs from `opcode` only for an all-reduce that
-      is sliced into a reduce-scatter.
+    kind: what the op does; differs from `opcode` for an all-reduce that is
+      sliced into a reduce-scatter, and a ragged-all-to-all (an all-to-all).
     axis: mesh axes spanned, as in `Collective.axis`.
     group_size: devices per replica group (2 for a collective-permute).
     operand_bytes: per-device bytes of the op's operands, one execution.
@@ -517,6 +523,8 @@ def _collective_op(module: _Module, inst: _Instruction,
     groups = _replica_groups(inst.attributes, len(coords))
   group_size = max(map(len, groups), default=1)
   parts = {opcode: _operand_bytes(module, inst)}
+  if opcode == _RAGGED:
+    parts = {"all-to-all": _shape_bytes(module.by_name[(inst.computation, inst.operands[0])].shape)}
   if opcode == "all-reduce" and group_size > 1:
     if _only_sliced(module, inst):
       parts = {"reduce-scatter": parts[opcode]}
@@ -566,7 +574,7 @@ def collective_ops(program: str | _HasText, mesh: Mesh,
       op
       for name in executions
       for inst in module.computations[name]
-      if inst.opcode.removesuffix("-start") in KINDS
+      if inst.opcode.removesuffix("-start") in (*KINDS, _RAGGED)
       for op in _collective_op(
           module, inst, coords, mesh, executions[inst.computation],
           executions[inst.computation].count if executed is None else executed.get(inst.name, 0))
