@@ -531,6 +531,43 @@ def test_expert_parallel_step_moves_tokens_by_all_to_all_as_planned_and_gathers_
   assert measured["all-to-all", "fsdp"]["count"] == planned["all-to-all", "fsdp"]["count"]
 
 
+# (mesh, config.expert_parallel, remat) of the layer memory checks.
+LAYER_MEMORY = {
+    "fsdp=8, every expert on every device, remat none": (dict(data=1, fsdp=8), "", "none"),
+    "data=8, every expert on every device, remat none": (dict(data=8), "", "none"),
+    "fsdp=8, experts over fsdp, remat none": (dict(data=1, fsdp=8), "fsdp", "none"),
+    "data=2 fsdp=4, experts over data,fsdp, remat selective": (dict(data=2, fsdp=4), "data,fsdp",
+                                                              "selective"),
+}
+
+
+@pytest.mark.parametrize("case", tiered(LAYER_MEMORY, (
+    "fsdp=8, every expert on every device, remat none",)))
+def test_a_layer_of_experts_costs_the_compiled_step_what_plan_counts(case):
+  """What two more MoE layers add to the compiled step's temporaries, per
+  layer, against what they add to `plan`'s saved activations and float32
+  gradients: the dispatch buffers, and, without recomputation, a copy of
+  the layer's expert weights (gathered where `fsdp` stores them split,
+  typed per device inside the dispatch where every device holds them),
+  which the step keeps for the backward. 32 experts of 32 x 256 make the
+  weights most of a layer's residuals."""
+  mesh, expert_parallel, remat = LAYER_MEMORY[case]
+  per_layer = {}
+  for layers in (2, 4):
+    cfg = micro_config(**{**MOE, "model.moe.num_experts": 32, "model.moe.mlp_dim": 256,
+                          "model.num_layers": layers, "remat": remat,
+                          "expert_parallel": expert_parallel})
+    cfg.update(mesh=mesh)
+    setup = build(cfg)
+    planned = plan(cfg, 8, False)["analytic"]["memory_bytes"]
+    per_layer[layers] = (planned["activations"] + planned["grads"],
+                         hlo.memory_bytes(compile_step(setup))["temp"])
+  (planned_2, temp_2), (planned_4, temp_4) = per_layer[2], per_layer[4]
+  weights = 3 * 32 * 32 * 256 * 4 // (8 if expert_parallel else 1)  # float32, per device
+  assert temp_4 - temp_2 > (2 * weights if remat == "none" else 0)
+  assert temp_4 - temp_2 == pytest.approx(planned_4 - planned_2, rel=0.02)
+
+
 # A capacity on a length split over `sequence`: (mesh, sequence strategy).
 CAPACITY_ON_SPLIT_LENGTH = {"sequence=2 all_gather_kv": (dict(fsdp=4, sequence=2), "all_gather_kv"),
                             "sequence=4 ring": (dict(fsdp=2, sequence=4), "ring")}

@@ -505,10 +505,11 @@ class StepModel:
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
       inputs = (input_slots * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
+    split = self.expert_split(c)
     saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
-                                         c.sequence_strategy, self.expert_split(c))
+                                         c.sequence_strategy, split)
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
-                                          c.sequence_strategy, self.expert_split(c))[0]
+                                          c.sequence_strategy, split)[0]
     return int(inputs + residual_slots * saved + head_slots * head), int(backward)
 
   def buffer_bytes(self, cfg, c: Candidate) -> int:
