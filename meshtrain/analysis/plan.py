@@ -94,25 +94,31 @@ def _prod(axes, mesh) -> int:
   return math.prod(_sizes(mesh)[a] for a in axes)
 
 
-def _label(axes) -> str:
+@functools.lru_cache(maxsize=None)
+def _label(axes: frozenset) -> str:
   return "+".join(a for a in AXES if a in axes)
 
 
-@dataclasses.dataclass
 class _Comm:
-  """Analytic collectives, summed by (kind, axis)."""
-  totals: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0, 0]))
+  """Analytic collectives on one mesh, summed by (kind, axis)."""
 
-  def add(self, kind: str, axes, operand_bytes: float, mesh, count: float = 1) -> None:
-    n = _prod(axes, mesh)
+  def __init__(self, mesh):
+    self.sizes = _sizes(mesh)
+    self.totals = collections.defaultdict(lambda: [0, 0])
+
+  def add(self, kind: str, axes, operand_bytes: float, count: float = 1) -> None:
+    n = 1
+    for a in axes:
+      n *= self.sizes[a]
     if n == 1 or operand_bytes == 0:
       return
-    per_op = {"all-reduce": 2 * operand_bytes * (n - 1) / n,
-              "all-gather": operand_bytes * (n - 1) / n,      # operand = gathered output
-              "reduce-scatter": operand_bytes * (n - 1) / n,
-              "all-to-all": operand_bytes * (n - 1) / n,
-              "collective-permute": operand_bytes}[kind]
-    total = self.totals[(kind, _label(axes))]
+    if kind == "all-reduce":
+      per_op = 2 * operand_bytes * (n - 1) / n
+    elif kind == "collective-permute":
+      per_op = operand_bytes
+    else:  # all-gather (the operand: the gathered output), reduce-scatter, all-to-all
+      per_op = operand_bytes * (n - 1) / n
+    total = self.totals[(kind, _label(frozenset(axes)))]
     total[0] += count
     total[1] += per_op * count
 
@@ -121,12 +127,21 @@ class _Comm:
             for (k, a), (c, b) in sorted(self.totals.items())]
 
 
-def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None) -> dict:
+class _Uncounted(_Comm):
+  """A `_Comm` that counts nothing: for the memory alone."""
+
+  def add(self, *args, **kwargs) -> None:
+    pass
+
+
+def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None,
+             collectives: bool = True) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step;
   `activations=0` leaves out the traced activation and backward bytes (the
-  search scales its own). Memory is the device's through the forward and
-  backward; with `config.offload` the state it keeps in pinned host memory
-  is `host`, outside `total` (the update brings it to the device)."""
+  search scales its own), `collectives=False` the collectives. Memory is the
+  device's through the forward and backward; with `config.offload` the state
+  it keeps in pinned host memory is `host`, outside `total` (the update
+  brings it to the device)."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
@@ -143,7 +158,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   m = cfg.model
   memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
   host = 0.0  # what `config.offload` keeps in pinned host memory
-  comm = _Comm()
+  comm = _Comm(mesh) if collectives else _Uncounted(mesh)
   layer_slots = stacked_slots(cfg)
   for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
                          jax.tree.leaves(spec.abstract_params)):
@@ -171,12 +186,12 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     memory["grads"] += (4 * pipeline_sums(compute, p_axes & gathered, mesh) if pipelined
                         else grad_bytes * grads)
 
-    comm.add("all-gather", o_axes - p_axes, param_bytes * working, mesh)
-    comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers, mesh,
+    comm.add("all-gather", o_axes - p_axes, param_bytes * working)
+    comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers,
              _gathers(names, cfg, pipelined and "fsdp" in p_axes & gathered))
     # Inside a pipeline a layer's gradients split over `fsdp` (automatic
     # there) are reduce-scattered in every microbatch's W.
-    comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers, mesh,
+    comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers,
              accum * layers * (microbatches if layers > 1 and "fsdp" in g_axes & gathered
                                else 1))
     rest = token_axes - g_axes
@@ -185,27 +200,31 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     # the optimizer's shard, with accumulation the whole accumulator.
     reduced = ((grad_bytes if per_replica else param_bytes) * grads
                * (_prod(rest & o_axes, mesh) if accum == 1 else 1))
-    comm.add("reduce-scatter", rest & o_axes, reduced, mesh, reductions)
+    comm.add("reduce-scatter", rest & o_axes, reduced, reductions)
     # The sums over the length axes complete inside the layer that makes them,
     # apart from those over the batch axes (XLA's partitioner, not one union).
     for axes in (rest - o_axes) & length_axes, rest - o_axes - length_axes:
-      comm.add("all-reduce", axes, reduced / _prod(rest & o_axes, mesh), mesh, reductions)
+      comm.add("all-reduce", axes, reduced / _prod(rest & o_axes, mesh), reductions)
 
   if activations is None:
     memory["activations"] = activation_bytes(cfg, mesh, rules)
     memory["backward"] = backward_bytes(cfg, mesh, rules)
-  _activation_traffic(cfg, mesh, comm, length_axes)
-  collectives = comm.as_list()
+  report = {}
+  if collectives:
+    _activation_traffic(cfg, mesh, comm, length_axes)
+    report["collectives"] = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
     local = local_sgd.plan(cfg, spec, rules, mesh)
     memory["local_sgd_outer"] = local["outer_state_bytes"]
-    collectives = [c for c in collectives if "data" not in c["axis"]] + [local["sync"]]
+    if collectives:
+      report["collectives"] = ([c for c in report["collectives"] if "data" not in c["axis"]]
+                               + [local["sync"]])
   memory["total"] = sum(memory.values())
   if host:
     memory["host"] = host
   if activations is None and cfg.remat == "offload":
     memory["host_activations"] = activation_bytes(cfg, mesh, rules, on_host=True)
-  return {"memory_bytes": {k: int(v) for k, v in memory.items()}, "collectives": collectives}
+  return {"memory_bytes": {k: int(v) for k, v in memory.items()}, **report}
 
 
 def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
@@ -265,18 +284,18 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
   summed_on_latents = layer_passes if latent else 0
   if sequence_parallel:
     gathers = forwards + 2 + (stages > 1)  # a pipeline's W gathers the input once more
-    comm.add("all-gather", {"tensor"}, activation, mesh,
+    comm.add("all-gather", {"tensor"}, activation,
              gathers * block_passes - summed_on_latents + 2 * passes)
-    comm.add("reduce-scatter", {"tensor"}, activation, mesh,
+    comm.add("reduce-scatter", {"tensor"}, activation,
              (forwards + 1) * block_passes - (cfg.remat == "full") * mlp_passes + 2 * passes
              - summed_on_latents)
   else:
-    comm.add("all-reduce", {"tensor"}, activation, mesh,
+    comm.add("all-reduce", {"tensor"}, activation,
              (forwards + 1) * block_passes + 2 * passes - summed_on_latents)
   if latent and t > 1:
-    comm.add("all-reduce", {"tensor"}, activation / m.embed_dim * latent, mesh, summed_on_latents)
+    comm.add("all-reduce", {"tensor"}, activation / m.embed_dim * latent, summed_on_latents)
   if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
-    comm.add("all-reduce", {"tensor"}, 4 * rows * s, mesh, 3 * passes)
+    comm.add("all-reduce", {"tensor"}, 4 * rows * s, 3 * passes)
   if sizes["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
@@ -286,7 +305,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
     sends = round(costs.table_counts(cfg.pipeline.schedule, stages, microbatches,
                                      cfg.pipeline.virtual_stages).sends)
     sent = activation / (t if sequence_parallel else 1)
-    comm.add("collective-permute", {"pipeline"}, sent, mesh, sends * cfg.grad_accum_steps)
+    comm.add("collective-permute", {"pipeline"}, sent, sends * cfg.grad_accum_steps)
 
 
 def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
@@ -304,19 +323,19 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
     # K and V gathered whole in each forward and again for the backward (the
     # partitioner keeps their shards, not the gathered copies); dK and dV
     # scattered back.
-    comm.add("all-gather", {"sequence"}, n * kv, mesh, 2 * (forwards + 1) * layer_passes)
-    comm.add("reduce-scatter", {"sequence"}, 2 * n * kv, mesh, layer_passes)
+    comm.add("all-gather", {"sequence"}, n * kv, 2 * (forwards + 1) * layer_passes)
+    comm.add("reduce-scatter", {"sequence"}, 2 * n * kv, layer_passes)
   elif strategy == "ulysses":  # q, k, v to head sharding and the output back, both ways
     repeated = token_bytes * split(sequence.ulysses_kv_heads(m.num_heads, m.num_kv_heads, n, t))
     for size in (q, repeated, repeated, q):
-      comm.add("all-to-all", {"sequence"}, size, mesh, (forwards + 1) * layer_passes)
+      comm.add("all-to-all", {"sequence"}, size, (forwards + 1) * layer_passes)
   else:  # ring: n - 1 K/V blocks each forward, n - 1 dK/dV blocks back
-    comm.add("collective-permute", {"sequence"}, 2 * kv, mesh, (n - 1) * (forwards + 1) * layer_passes)
+    comm.add("collective-permute", {"sequence"}, 2 * kv, (n - 1) * (forwards + 1) * layer_passes)
     # The batch comes in zigzag order: its int32 inputs and targets (and the
     # segment ids and positions of packed documents) are permuted once per pass.
     moving = sum(any(s != d for s, d in pairs) for pairs in sequence.zigzag_pairs(n)) / 2
     arrays = 4 if cfg.data.packing == "segments" else 2
-    comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, mesh, arrays * passes)
+    comm.add("collective-permute", {"sequence"}, moving * 4 * tokens, arrays * passes)
 
 
 def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: int,
@@ -358,32 +377,32 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   ragged = moe.dispatch == "ragged" and n > 1
   if ragged:  # the rows alone, (n - 1) / n of a device's assignments on balanced routing
     sent = act_bytes * rows * length // (t if split else 1) * moe.experts_per_token * m.embed_dim
-  comm.add("all-to-all", set(axes), sent if ragged else bucket, mesh,
+  comm.add("all-to-all", set(axes), sent if ragged else bucket,
            (2 * (forwards + 1) + w_resends) * moe_passes)
-  comm.add("all-to-all", set(axes), 4 * n * (local + ragged), mesh, forwards * moe_passes)
+  comm.add("all-to-all", set(axes), 4 * n * (local + ragged), forwards * moe_passes)
   if ragged:  # jax's transpose of a ragged all-to-all sends its two offset vectors first
-    comm.add("all-to-all", set(axes), 4 * n, mesh, 2 * (2 + w_resends) * moe_passes)
+    comm.add("all-to-all", set(axes), 4 * n, 2 * (2 + w_resends) * moe_passes)
   if per_sequence:  # each chunk's count per expert, for the capacity (`sequence.count_before`)
     ring = sizes["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
     chunks = sequence.prefix_chunks(cfg.seq_len, _prod(length_axes, mesh), ring)
-    comm.add("all-gather", length_axes, 4 * rows * chunks * moe.num_experts, mesh,
+    comm.add("all-gather", length_axes, 4 * rows * chunks * moe.num_experts,
              forwards * moe_passes)
   activation = act_bytes * rows * length * m.embed_dim
   if split:
-    comm.add("all-gather", {"tensor"}, t * bucket, mesh, (forwards + 1 + w_resends) * moe_passes)
-    comm.add("all-gather", {"tensor"}, 4 * t * n * capacity, mesh, forwards * moe_passes)
-    comm.add("reduce-scatter", {"tensor"}, t * bucket, mesh, (forwards + 1) * moe_passes)
+    comm.add("all-gather", {"tensor"}, t * bucket, (forwards + 1 + w_resends) * moe_passes)
+    comm.add("all-gather", {"tensor"}, 4 * t * n * capacity, forwards * moe_passes)
+    comm.add("reduce-scatter", {"tensor"}, t * bucket, (forwards + 1) * moe_passes)
     if not sequence_parallel:
-      comm.add("all-gather", {"tensor"}, activation, mesh, (forwards + 1) * moe_passes)
+      comm.add("all-gather", {"tensor"}, activation, (forwards + 1) * moe_passes)
     elif split == "batch":  # from Megatron-SP's split of the length and back, by all-to-alls
       # the input in each forward, the output, and their gradients (W's once more)
-      comm.add("all-to-all", {"tensor"}, activation / t, mesh,
+      comm.add("all-to-all", {"tensor"}, activation / t,
                (forwards + 3 + w_resends) * moe_passes)
       routing = 4 * moe.experts_per_token * rows * length / t  # int32 experts, float32 weights
-      comm.add("all-to-all", {"tensor"}, routing, mesh, (2 * forwards + 1) * moe_passes)
+      comm.add("all-to-all", {"tensor"}, routing, (2 * forwards + 1) * moe_passes)
   else:
-    comm.add("all-reduce", {"tensor"}, bucket, mesh, (forwards + 1) * moe_passes)
-    comm.add("all-reduce", {"tensor"}, activation, mesh, moe_passes)
+    comm.add("all-reduce", {"tensor"}, bucket, (forwards + 1) * moe_passes)
+    comm.add("all-reduce", {"tensor"}, activation, moe_passes)
 
 
 def stage_layers(cfg) -> tuple[int, int]:
@@ -611,8 +630,8 @@ def check_fits(setup) -> None:
   (weights, gradients and optimizer state as `analytic` counts them, no
   activations) outgrows a device's memory: where it would die allocating,
   on CPU killed by the host without a word."""
-  state = analytic(setup.cfg, setup.spec, setup.rules, setup.mesh,
-                   activations=0)["memory_bytes"]["total"]
+  state = analytic(setup.cfg, setup.spec, setup.rules, setup.mesh, activations=0,
+                   collectives=False)["memory_bytes"]["total"]
   limit = device_memory(jax.local_devices()[0])
   if limit and state > limit:
     raise ConfigError("config.mesh", f"the train state alone (weights, gradients, optimizer "

@@ -531,12 +531,21 @@ class StepModel:
 
   def analytic(self, cfg, c: Candidate) -> dict:
     """`plan.analytic` (state bytes and collectives) without the activations,
-    once per candidate."""
+    once per candidate (`cfg`: its view, whose recomputation decides how
+    often a forward's collectives run)."""
     if c not in self._reports:
-      mesh = _abstract_mesh(c.sizes)
-      self._reports[c] = plan_lib.analytic(cfg, self.spec, setup_lib.sharding_rules(cfg, mesh),
-                                           mesh, activations=0)
+      self._reports[c] = self._analytic(cfg, c, collectives=True)
     return self._reports[c]
+
+  def state_bytes(self, cfg, c: Candidate) -> dict:
+    """`plan.analytic`'s memory without the activations (its collectives
+    uncounted: what is enough to tell whether a candidate fits)."""
+    return self._analytic(cfg, c, collectives=False)["memory_bytes"]
+
+  def _analytic(self, cfg, c: Candidate, collectives: bool) -> dict:
+    mesh = _abstract_mesh(c.sizes)
+    return plan_lib.analytic(cfg, self.spec, setup_lib.sharding_rules(cfg, mesh), mesh,
+                             activations=0, collectives=collectives)
 
   def collective_s(self, coll: dict, sizes: dict, crossing: list[str]) -> float:
     axes = coll["axis"].split("+")
@@ -765,12 +774,12 @@ def search(cfg, devices: int, cluster: Cluster, top: int = 5,
     cfg_c = c.view(model.view)
     if meshtrain_runs(cfg, c, cfg_c):
       continue
-    report = model.analytic(cfg_c, c)
+    state = model.state_bytes(cfg_c, c)  # collectives only for those that fit
     for remat in REMATS:
       chosen = dataclasses.replace(c, remat=remat)
       cfg_c.remat = remat
-      if model.fits(model.memory(cfg_c, chosen, report["memory_bytes"])["total"]):
-        best.append(model.estimate(chosen, cfg_c, report))
+      if model.fits(model.memory(cfg_c, chosen, state)["total"]):
+        best.append(model.estimate(chosen, cfg_c, model.analytic(cfg_c, chosen)))
         break
   best.sort(key=lambda e: (e.step_s, e.memory_bytes["total"]))
   return best[:top], len(best), model
