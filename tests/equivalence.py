@@ -21,12 +21,12 @@ from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.setup import build
 
 
-def meshtrain_run(cfg, batches, with_metrics=False):
+def meshtrain_run(cfg, batches, with_metrics=False, devices=None):
   """meshtrain's setup, initial weights (and model state), losses and final
   weights on `batches` (and `with_metrics`, each step's metrics); weights and
   model state as the model holds them (its layers out of an uneven pipeline's
-  slots)."""
-  setup = build(cfg)
+  slots). `devices`: those the mesh takes (default: all)."""
+  setup = build(cfg, devices)
   state = setup.init_state()
 
   def model_own(tree):
@@ -42,15 +42,17 @@ def meshtrain_run(cfg, batches, with_metrics=False):
   return (*run, logged) if with_metrics else run
 
 
-def assert_matches_one_device(cfg, batches, reference_optimizer=None):
+def assert_matches_one_device(cfg, batches, reference_optimizer=None, with_metrics=False):
   """Trains `cfg` with meshtrain and the reference on `batches` (with
   `reference_optimizer`, default meshtrain's own optax optimizer); asserts their
-  losses and final weights agree. Returns (initial weights, losses, final weights)."""
-  setup, (initial, model_state), losses, params = meshtrain_run(cfg, batches)
+  losses and final weights agree. Returns (initial weights, losses, final
+  weights) and, `with_metrics`, meshtrain's metrics of each step."""
+  setup, (initial, model_state), losses, params, logged = meshtrain_run(cfg, batches,
+                                                                        with_metrics=True)
   ref_losses, ref_params = reference_run(setup.spec.graphdef, initial,
                                          reference_optimizer or setup.optimizer, batches,
                                          model_state=model_state)
   chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(params, ref_params, rtol=1e-5,
                               atol=1e-3 * cfg.optimizer.learning_rate)
-  return initial, losses, params
+  return (initial, losses, params, logged) if with_metrics else (initial, losses, params)

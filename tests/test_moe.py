@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import REPO, micro_config, step_collectives, tiered
-from equivalence import assert_matches_one_device
+from equivalence import assert_matches_one_device, meshtrain_run
 from reference import random_batches
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
@@ -32,7 +32,6 @@ from meshtrain.models.layers import MLP
 from meshtrain.models import moe as moe_lib
 from meshtrain.models.moe import MoE, MoEConfig, top_k_indices, update_bias
 from meshtrain.parallel import experts, hopper_gemm
-from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 from meshtrain.workdir import load_model_state
@@ -755,24 +754,19 @@ def test_moe_in_the_pipeline_matches_the_step_without_it(case):
   cfg = micro_config(**MOE)
   cfg.update(PIPELINED[case])
   batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
-  if not cfg.model.moe.aux_loss_coef:
-    assert_matches_one_device(cfg, batches)
+  if cfg.model.moe.aux_loss_coef:
+    *_, params, logged = meshtrain_run(cfg, batches, with_metrics=True)
+  else:
+    *_, params, logged = assert_matches_one_device(cfg, batches, with_metrics=True)
   # Without the pipeline, accumulating over the same microbatches: a switch
   # loss is a function of the tokens one forward routes.
   flat = cfg.copy_and_resolve_references()
   flat.mesh.pipeline, flat.pipeline.stage_layers = 1, ""
   flat.grad_accum_steps *= cfg.pipeline.microbatches
-  runs = {}
-  for name, c, devices in (("pipeline", cfg, 8), ("flat", flat, 8 // cfg.mesh.pipeline)):
-    setup = build(c, jax.devices()[:devices])
-    state = setup.init_state()
-    metrics = []
-    for batch in batches:
-      state, m = setup.train_step(state, jax.device_put(batch, setup.train_step.batch_sharding))
-      metrics.append({k: float(v) for k, v in m.items()})
-    runs[name] = metrics, jax.device_get(from_stage_slots(c, state.params))
-  for got, want in zip(runs["pipeline"][0], runs["flat"][0]):
+  *_, flat_params, flat_logged = meshtrain_run(flat, batches, with_metrics=True,
+                                               devices=jax.devices()[:8 // cfg.mesh.pipeline])
+  for got, want in zip(logged, flat_logged):
     for key in ("loss", "moe_aux_loss", "moe_load_max_over_mean"):
       assert got[key] == pytest.approx(want[key], rel=1e-5), key
-  chex.assert_trees_all_close(runs["pipeline"][1], runs["flat"][1], rtol=1e-5,
+  chex.assert_trees_all_close(params, flat_params, rtol=1e-5,
                               atol=1e-3 * cfg.optimizer.learning_rate)
