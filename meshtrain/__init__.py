@@ -20,6 +20,10 @@ rules tables (AXIS_RULES per mesh axis, TENSOR_SEQUENCE_PARALLEL, ZERO_ON_DATA)
 are exported as constants.
 """
 
+from meshtrain import quiet_cuda
+
+quiet_cuda.start()  # before the imports below load jax
+
 from meshtrain.analysis.selfcheck import Report as VerifyReport
 from meshtrain.mesh import AXES, make_mesh
 from meshtrain.models.patterns import (

@@ -21,7 +21,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, flag_parsing, generate, launch, validate, workdir as saved_run
+from meshtrain import (distributed, flag_parsing, generate, gpu_targets, launch, validate,
+                       workdir as saved_run)
 from meshtrain.analysis import clusters, search, selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
@@ -53,6 +54,10 @@ _COMPILE = flags.DEFINE_bool("compile", False, "plan: also compile the step and 
                              "and collectives (on --devices simulated CPU devices if set)")
 _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (default: the "
                                 "config's simulate_devices, else the devices present)")
+_TARGET = flags.DEFINE_string("target", None, "plan: compile the step here for a GPU cluster "
+                              "and read its program, KIND:HOSTSxDEVICES (e.g. h100:1x8, h200:8x8; "
+                              f"KIND: {', '.join(gpu_targets.KINDS)} or a GpuTargetConfigProto "
+                              ".txtpb file)")
 _SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
                             "microbatches for --devices of --cluster, fastest first")
 _CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset "
@@ -170,6 +175,9 @@ def plan_command(argv: list[str]) -> None:
   if _SEARCH.value:
     _search(cfg)
     return
+  if _TARGET.value is not None:
+    _plan_target(cfg)
+    return
   searching = [f"--{name}" for name in ("mesh", "cluster", "top", "global_batch", "seq_len")
                if flags.FLAGS[name].present]
   if searching:
@@ -184,6 +192,21 @@ def plan_command(argv: list[str]) -> None:
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
   report = plan(cfg, devices, _COMPILE.value)
+  print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+
+
+def _plan_target(cfg) -> None:
+  """plan --target: the step compiled for a GPU cluster on this machine."""
+  target = gpu_targets.parse(_TARGET.value)
+  if _COMPILE.value:
+    raise ConfigError("--compile", "plan --target compiles for the target's GPUs itself; remove "
+                      "--compile (which compiles for simulated CPU devices)")
+  if _DEVICES.value is not None and _DEVICES.value != target.num_devices:
+    raise ConfigError("--devices", f"is {_DEVICES.value}, but --target {target} has "
+                      f"{target.num_devices} devices; remove --devices")
+  gpu_targets.devices(target)  # before anything starts a backend on this machine
+  validate.check_devices(cfg, target.num_devices, "gpu")
+  report = plan(cfg, target.num_devices, compile_step=False, target=target)
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
 
 
@@ -221,9 +244,11 @@ def _search(cfg) -> None:
   if not _DEVICES.value or _DEVICES.value < 1:
     raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
                       "e.g. --devices 1024")
-  if _COMPILE.value:
-    raise ConfigError("--compile", "is read by plan without --search (it compiles the config's "
-                      "own layout); remove it, or plan one layout with --config.mesh.*")
+  for flag in (_COMPILE, _TARGET):
+    if flag.present:
+      raise ConfigError(f"--{flag.name}", "is read by plan without --search (it compiles the "
+                        "config's own layout); remove it, or plan one layout with "
+                        "--config.mesh.*")
   chosen = [name for name in flags.FLAGS if name.startswith("config.") and
             flags.FLAGS[name].present and search.chooses(name.removeprefix("config."))]
   if chosen:
@@ -575,8 +600,8 @@ POSITIONAL_ARGS = (launch_command, prepare_command)
 # "config": the --config file; "config.": its --config.KEY overrides.
 FLAGS_READ = {
     train_command: ("config", "config."),
-    plan_command: ("config", "config.", "json", "compile", "devices", "search", "cluster", "top",
-                   "global_batch", "seq_len", "mesh"),
+    plan_command: ("config", "config.", "json", "compile", "devices", "target", "search",
+                   "cluster", "top", "global_batch", "seq_len", "mesh"),
     schedule_command: ("stages", "microbatches", "schedule", "virtual", "costs", "out", "json"),
     prepare_command: ("input", "format", "tokenizer", "text_field", "split_blank_lines",
                       "val_fraction", "out"),

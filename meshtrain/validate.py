@@ -31,7 +31,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import mla, moe, rope
 from meshtrain.parallel import attention, sequence
-from meshtrain.train import local_sgd, optimizer, precision, setup
+from meshtrain.train import local_sgd, optimizer, parallelize, precision, setup
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
 
@@ -351,6 +351,11 @@ def _check_attention_kernel(cfg, platform: str | None) -> None:
   if cfg.compute_dtype == "float32":
     raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
                       "or use xla")
+  unpartitioned = parallelize.cudnn_unpartitioned(cfg)
+  if unpartitioned:
+    raise ConfigError(key, f"cudnn fails to compile {unpartitioned}: jax 0.10.2's partitioner of "
+                      "cuDNN attention cannot read the shardings there; use xla (or \"\", which "
+                      "picks xla there)")
   width = mla.widths(cfg.model)[2]
   if not attention.flash_fits(width):
     raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"

@@ -26,6 +26,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one cache per run, removed 
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+import meshtrain  # noqa: E402,F401 (first: it keeps jax's CUDA plugin quiet where no GPU is)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

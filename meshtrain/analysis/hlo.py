@@ -382,7 +382,8 @@ def _logical_device_coords(program: Any, mesh: Mesh) -> list[tuple[int, ...]]:
   coords_by_id = {d.id: c for c, d in np.ndenumerate(mesh.devices)}
   assignment = list(mesh.devices.flat)
   if hasattr(program, "runtime_executable"):
-    local = program.runtime_executable().local_devices()
+    # A deviceless program (compiled for a GPU target) runs on no device here.
+    local = getattr(program.runtime_executable(), "local_devices", lambda: [])()
     if len(local) == mesh.size:
       assignment = local
   return [coords_by_id[d.id] for d in assignment]

@@ -31,22 +31,23 @@ import dataclasses
 import functools
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from meshtrain import rules as r
-from meshtrain.analysis import costs, hlo, residuals
+from meshtrain import gpu_targets, rules as r
+from meshtrain.analysis import costs, gpu_program, hlo, residuals
 from meshtrain.errors import ConfigError
 from meshtrain.models import flops, mla
-from meshtrain.mesh import AXES, axis_sizes
+from meshtrain.mesh import AXES, axis_sizes, make_mesh
 from meshtrain.parallel import experts, sequence
 from meshtrain.train import local_sgd, setup as setup_lib
 from meshtrain.train.loss import model_loss, with_loss_weights
-from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, slots,
-                                         stage_layout)
+from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
+                                         slots, stage_layout)
 from meshtrain.train.state import merged
 
 BATCH_AXES = ("data", "fsdp")
@@ -479,10 +480,11 @@ def llama_loss(spec):
   return loss_fn
 
 
-def traced_model(cfg, layers: int, remat: str):
+def traced_model(cfg, layers: int, remat: str, device: jax.Device | None = None):
   """The model of `cfg` cut to `layers` layers, all alike (an MoE model's
-  leading dense layers are counted as routed ones), to trace what it saves."""
-  model_cfg = model_config(cfg)
+  leading dense layers are counted as routed ones), to trace what it saves,
+  its kernels chosen for `device` (`parallelize.model_config`)."""
+  model_cfg = model_config(cfg, device)
   return dataclasses.replace(model_cfg, num_layers=layers, remat=remat,
                              moe=dataclasses.replace(model_cfg.moe, first_dense_layers=0))
 
@@ -491,10 +493,10 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
                    on_host: bool = False) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences
   in device memory (`on_host`: in host memory, as `remat="offload"` does)."""
-  model_cfg = traced_model(cfg, layers, remat)
+  model_cfg = traced_model(cfg, layers, remat, run_device(mesh))
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
-  flash = attention_kernel(cfg) == "cudnn" and _sizes(mesh)["sequence"] == 1
+  flash = attention_kernel(cfg, run_device(mesh)) == "cudnn" and _sizes(mesh)["sequence"] == 1
   spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
@@ -614,6 +616,33 @@ def measured(setup) -> dict:
           "collectives": [dataclasses.asdict(c) for c in hlo.collectives(compiled, setup.mesh)]}
 
 
+def measured_on_target(setup, target: gpu_targets.Target) -> dict:
+  """The train step compiled for `target`'s GPUs (`setup` built on its
+  devices): memory per device against the device's, the collectives with
+  what XLA scheduled under them and the hosts they cross, the GEMM and
+  attention kernels, and the compile time."""
+  start = time.perf_counter()
+  compiled = compile_step(setup)
+  seconds = time.perf_counter() - start
+  memory = hlo.memory_bytes(compiled)
+  scheduled = gpu_program.collectives(compiled, setup.mesh)
+  return {"target": str(target), "device_kind": target.device_kind,
+          "compile_time_s": round(seconds, 1),
+          "memory_bytes": {"arguments": memory["arguments"], "temp": memory["temp"],
+                           "total": memory["total"]},
+          "device_memory_bytes": target.memory_bytes,
+          "fits": memory["total"] <= target.memory_bytes,
+          "collectives": gpu_program.summary(scheduled),
+          "hidden_share": gpu_program.hidden_share(scheduled),
+          "kernels": gpu_program.kernels(compiled),
+          "notes": ["memory ignores config.offload: deviceless GPUs report no host memory, so "
+                    "the program keeps everything on the device"] if _offloads(setup.cfg) else []}
+
+
+def _offloads(cfg) -> bool:
+  return bool(cfg.offload.params or cfg.offload.optimizer or cfg.remat == "offload")
+
+
 def device_memory(device) -> int | None:
   """Bytes one device can hold: its allocator's limit (GPU, TPU); on CPU the
   host's memory over its local devices; None where neither is known."""
@@ -642,20 +671,29 @@ def check_fits(setup) -> None:
                       "shows where the bytes go)")
 
 
-def plan(cfg, num_devices: int, compile_step: bool) -> dict:
+def plan(cfg, num_devices: int, compile_step: bool,
+         target: gpu_targets.Target | None = None) -> dict:
   """The `meshtrain plan` report. Without `compile_step` no device is touched,
-  so it works for any model on any number of devices."""
+  so it works for any model on any number of devices. With a `target` the
+  step is compiled for its GPUs (on this machine: `gpu_targets`), and every
+  execution choice (attention kernel, grouped GEMM) is made for them."""
   mesh = abstract_mesh(cfg.mesh, num_devices)
   setup_lib.validate(cfg, mesh)
-  model_cfg = model_config(cfg)
+  devices = gpu_targets.devices(target) if target else None
+  if devices:
+    mesh = make_mesh(cfg.mesh, devices)  # its devices' kernels are what the plan counts
+  model_cfg = model_config(cfg, run_device(mesh))
   spec = llama_spec(model_cfg)
   report = {"devices": num_devices, "mesh": dict(mesh.shape), "zero_stage": cfg.zero_stage,
             "parameters": flops.total_params(spec.abstract_params),
             "active_parameters": int(flops.active_params(model_cfg, spec.abstract_params)),
             "analytic": analytic(cfg, spec, setup_lib.sharding_rules(cfg, mesh), mesh)}
-  if compile_step:
+  if target:
+    report["measured"] = measured_on_target(setup_lib.build(cfg, devices), target)
+  elif compile_step:
     report["measured"] = measured(setup_lib.build(cfg))
-  report["collectives"] = report["measured" if compile_step else "analytic"]["collectives"]
+  report["collectives"] = report["measured" if compile_step or target else
+                                 "analytic"]["collectives"]
   if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged":
     report["notes"] = ["the experts' all-to-alls are ragged: their bytes are those balanced "
                        "routing sends; the real ones follow the routing"]
@@ -697,4 +735,29 @@ def format_plan(report: dict) -> str:
     lines.append("  (measured counts are static: every branch of the pipeline's tick as if it "
                  "ran; bench/strategies.py profiles a real step)")
   lines += [f"  ({note})" for note in report.get("notes", [])]
+  if "target" in report.get("measured", {}):
+    lines += _format_target(report["measured"])
   return "\n".join(lines)
+
+
+def _format_target(measured: dict) -> list[str]:
+  """The GPU program's own figures: memory against the device's, what runs
+  under each kind of collective, the kernels."""
+  total, device = measured["memory_bytes"]["total"], measured["device_memory_bytes"]
+  lines = ["", f"GPU program for {measured['target']} ({measured['device_kind']}), compiled here "
+           f"in {measured['compile_time_s']:g} s:",
+           f"  per device {total / 2**30:.2f} GiB of {device / 2**30:.2f} GiB: "
+           f"{'fits' if measured['fits'] else 'does not fit'}",
+           "  collectives               MiB   hidden under matmuls   across hosts   async"]
+  for c in measured["collectives"]:
+    hidden = c["hidden_bytes"] / c["bytes"] if c["bytes"] else 0
+    across = c["cross_host_bytes"] / c["bytes"] if c["bytes"] else 0
+    lines.append(f"  {c['kind'] + ' ' + c['axis']:<24}{_mib(c['bytes'])}   {hidden:>20.0%}   "
+                 f"{across:>12.0%}   {'yes' if c['asynchronous'] else 'no':>5}")
+  if measured["hidden_share"] is not None:
+    lines.append(f"  {measured['hidden_share']:.0%} of the collective bytes have matmuls "
+                 "scheduled under them")
+  lines.append("  kernels (not autotuned without a GPU): " + (", ".join(
+      f"{k['kernel']} {k['operands']} x{k['count']:g}" for k in measured["kernels"]) or "none"))
+  lines += [f"  ({note})" for note in measured["notes"]]
+  return lines

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
 from meshtrain.errors import ConfigError
+from meshtrain.train import xla_options
 from meshtrain.train.state import ModelSpec, TrainState, state_shardings
 from meshtrain.train.step import (Program, StepOptions, batch_sharding, build_program,
                                   train_step)
@@ -181,9 +182,11 @@ class LocalSGDStep:
     self.batch_sharding = batch_sharding(mesh, rules)
     self._inner = jax.jit(functools.partial(inner_step, self.program),
                           in_shardings=(self.shardings, self.batch_sharding),
-                          out_shardings=(self.shardings, None), donate_argnums=0)
+                          out_shardings=(self.shardings, None), donate_argnums=0,
+                          compiler_options=xla_options.for_mesh(mesh))
     self._sync = jax.jit(functools.partial(sync, self.program), in_shardings=(self.shardings,),
-                         out_shardings=self.shardings, donate_argnums=0)
+                         out_shardings=self.shardings, donate_argnums=0,
+                         compiler_options=xla_options.for_mesh(mesh))
     self._reduce = jax.jit(reduce_metrics)
     self._last = None  # (the step array we last returned, its value): no host sync per step
 

@@ -34,12 +34,21 @@ from meshtrain.train.state import ModelSpec, nnx_spec
 Batch = dict[str, jax.Array]
 
 
-def model_config(cfg) -> LlamaConfig:
+def run_device(mesh=None) -> jax.Device:
+  """The device whose kernels a run's execution choices are resolved for: the
+  first of `mesh`'s devices (real ones, or a GPU target's that this machine
+  only compiles for), else this machine's first."""
+  if isinstance(mesh, Mesh):
+    return mesh.devices.flat[0]
+  return jax.devices()[0]
+
+
+def model_config(cfg, device: jax.Device | None = None) -> LlamaConfig:
   """The model's own settings (its shape, precision and recomputation), the
-  experts' grouped GEMM resolved on this machine's first device."""
+  experts' grouped GEMM resolved for `device` (default: `run_device()`)."""
   model = cfg.model.to_dict()
   gemm = experts.gemm_for(model["moe"]["grouped_gemm"], cfg.compute_dtype, expert_widths(cfg),
-                          jax.devices()[0])
+                          device or run_device())
   return LlamaConfig(**{**model, "moe": moe.MoEConfig(**{**model["moe"], "grouped_gemm": gemm}),
                         "mla": mla.MLAConfig(**model["mla"])},
                      compute_dtype=cfg.compute_dtype, remat=cfg.remat)
@@ -57,17 +66,33 @@ def expert_axes(cfg) -> tuple[str, ...]:
   return tuple(a.strip() for a in cfg.expert_parallel.split(",") if a.strip())
 
 
-def attention_kernel(cfg) -> str:
-  """`config.attention.implementation` resolved on this machine's first device."""
-  return attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
-                                      mla.widths(cfg.model)[2], jax.devices()[0],
-                                      packed=cfg.data.packing == "segments")
+def attention_kernel(cfg, device: jax.Device | None = None) -> str:
+  """`config.attention.implementation` resolved for `device` (default:
+  `run_device()`); "" is XLA's where cuDNN's fails to compile
+  (`cudnn_unpartitioned`)."""
+  kernel = attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
+                                        mla.widths(cfg.model)[2], device or run_device(),
+                                        packed=cfg.data.packing == "segments")
+  return "xla" if kernel == "cudnn" and cudnn_unpartitioned(cfg) else kernel
+
+
+def cudnn_unpartitioned(cfg) -> str:
+  """Why cuDNN's attention cannot compile in this run ("" where it can): in
+  jax 0.10.2 its custom partitioner fails inside the pipeline's and
+  Ulysses' shard_maps, reading `.spec` of the GSPMDSharding it gets there
+  (seen in the program compiled for GPUs: tests/test_gpu_program.py)."""
+  if cfg.mesh.pipeline > 1:
+    return "inside the pipeline (config.mesh.pipeline > 1)"
+  if cfg.mesh.sequence > 1 and cfg.attention.sequence_strategy == "ulysses":
+    return "under Ulysses (config.attention.sequence_strategy=ulysses)"
+  return ""
 
 
 def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
-  """The model's slots for `cfg` on `mesh` (`implementation` overrides the
-  local attention kernel, as a plan traced on a CPU does)."""
-  implementation = implementation or attention_kernel(cfg)
+  """The model's slots for `cfg` on `mesh`, its kernels chosen for `mesh`'s
+  devices (`implementation` overrides the attention kernel, as a plan traced
+  on abstract values does)."""
+  implementation = implementation or attention_kernel(cfg, run_device(mesh))
   if mesh.shape["sequence"] > 1:
     strategy = cfg.attention.sequence_strategy
     attend = functools.partial(sequence.sequence_attention, strategy=strategy,
@@ -78,7 +103,8 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   if cfg.model.moe.num_experts:
     slot["experts"] = functools.partial(
         experts.expert_parallel, axes=expert_axes(cfg),
-        per_sequence=model_config(cfg).moe.capacity(cfg.seq_len), dispatch=cfg.model.moe.dispatch)
+        per_sequence=model_config(cfg, run_device(mesh)).moe.capacity(cfg.seq_len),
+        dispatch=cfg.model.moe.dispatch)
   if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
     # An expert's capacity counts in position order, through the zigzag.
     slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)
@@ -131,7 +157,7 @@ def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
 def model_spec(cfg, mesh: Mesh) -> ModelSpec:
   """The Llama of `cfg` with its slots filled for `mesh`, its layers' weights
   (and state) stored as the pipeline's stage layout holds them."""
-  return in_stage_slots(llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed),
+  return in_stage_slots(llama_spec(model_config(cfg, run_device(mesh)), slots(cfg, mesh), cfg.seed),
                         stage_layout(cfg))
 
 

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import rules as r
-from meshtrain.train import precision
+from meshtrain.train import precision, xla_options
 from meshtrain.train.loss import with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.state import TrainState, in_memory, is_offloaded
@@ -318,7 +318,8 @@ class TrainStep:
     self.loss_fn, self.grads_fn = loss_fn, self.program.grads_fn
     self._jitted = jax.jit(functools.partial(train_step, self.program),
                            in_shardings=(state_shardings, self.batch_sharding),
-                           out_shardings=(state_shardings, None), donate_argnums=0)
+                           out_shardings=(state_shardings, None), donate_argnums=0,
+                           compiler_options=xla_options.for_mesh(mesh))
 
   @contextlib.contextmanager
   def _context(self):

@@ -1,0 +1,26 @@
+"""The XLA options a train step compiles with, by the platform of its devices.
+
+On GPUs a collective overlaps compute only where XLA's scheduler may issue it
+ahead of its use. Inside the layers' loop a layer's weight all-gather (and its
+gradient's reduce-scatter) feeds (is fed by) the same iteration's matmuls, so
+nothing of that iteration can run under it: the collective pipeliner moves it
+into the previous (next) iteration, and the scheduler may keep several
+collectives in flight at once. Read from the program XLA's GPU compiler
+builds for 8 H100s (`meshtrain plan --target`, docs/gpu_program.md): the
+share of the 1B preset's FSDP collective bytes with matmuls scheduled under
+them, 0% with XLA's defaults, is the figure these options are chosen by.
+"""
+
+from jax.sharding import Mesh
+
+GPU = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
+}
+
+
+def for_mesh(mesh: Mesh) -> dict | None:
+  """The options for a step over `mesh`'s devices (None: XLA's defaults)."""
+  return dict(GPU) if mesh.devices.flat[0].platform == "gpu" else None
