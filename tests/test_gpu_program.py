@@ -16,7 +16,7 @@ from conftest import REPO, micro_config
 
 from meshtrain import gpu_targets, quiet_cuda, validate
 from meshtrain.analysis import gpu_program
-from meshtrain.analysis.plan import compile_step
+from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.errors import ConfigError
 from meshtrain.train import parallelize, xla_options
 from meshtrain.train.setup import build
@@ -187,3 +187,50 @@ def test_cudnn_attention_is_left_out_where_its_partitioner_fails():
     cfg.attention.implementation = "cudnn"
     with pytest.raises(ConfigError, match="cudnn fails to compile"):
       validate.check_devices(cfg, 8, "gpu")
+
+
+@pytest.fixture(scope="module")
+def llama_1b_on_8_h100s() -> dict:
+  """`meshtrain plan --target h100:1x8` of the 1B preset over fsdp=8."""
+  sys.path.insert(0, str(REPO / "configs"))
+  import llama_1b  # noqa: PLC0415
+  cfg = llama_1b.get_config()
+  cfg.mesh.update(data=1, fsdp=8)
+  return plan(cfg, 8, compile_step=False, target=gpu_targets.parse("h100:1x8"))
+
+
+@pytest.mark.slow
+def test_the_1b_presets_gradient_reduce_scatters_run_under_matmuls(llama_1b_on_8_h100s):
+  """At this size XLA's defaults leave them exposed (0% hidden); the
+  collective pipeliner of `xla_options` hides them."""
+  measured = llama_1b_on_8_h100s["measured"]
+  (scatters,) = [c for c in measured["collectives"] if c["kind"] == "reduce-scatter"]
+  assert scatters["asynchronous"] and scatters["hidden_bytes"] > 0.9 * scatters["bytes"]
+  assert measured["fits"] and measured["kernels"][0]["kernel"] == gpu_program.FLASH_ATTENTION
+
+
+@pytest.mark.slow
+def test_plan_of_the_1b_preset_is_near_the_compiled_gpu_program(llama_1b_on_8_h100s):
+  """Per device, bfloat16: plan's memory within 20% of the GPU program's (17% over
+  today: docs/gpu_program.md), its collectives' bytes within 15% a kind."""
+  analytic, measured = (llama_1b_on_8_h100s[side] for side in ("analytic", "measured"))
+  ratio = analytic["memory_bytes"]["total"] / measured["memory_bytes"]["total"]
+  assert 1 <= ratio < 1.2, ratio
+  for kind in ("all-gather", "reduce-scatter"):
+    planned, compiled = (sum(c["bytes"] for c in side["collectives"] if c["kind"] == kind)
+                         for side in (analytic, measured))
+    assert abs(planned / compiled - 1) < 0.25, (kind, planned, compiled)
+
+
+@pytest.mark.slow
+def test_plan_target_prints_the_gpu_program(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "meshtrain.cli", "plan", "--config", str(REPO / "configs/tiny.py"),
+       "--config.mesh.data=8", "--config.compute_dtype=bfloat16", "--target", "h100:1x8"],
+      capture_output=True, text=True, cwd=tmp_path, check=True)
+  assert "GPU program for h100:1x8 (NVIDIA H100 80GB HBM3)" in result.stdout
+  assert "fits" in result.stdout and "all-reduce data" in result.stdout
+  bad = subprocess.run([sys.executable, "-m", "meshtrain.cli", "plan", "--target", "h100:1x8",
+                        "--devices", "4"], capture_output=True, text=True, cwd=tmp_path)
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+      "error: --devices: is 4, but --target h100:1x8 has 8 devices; remove --devices"]
