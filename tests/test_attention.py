@@ -61,3 +61,28 @@ def test_cudnn_refuses_documents_with_the_config_key():
   with pytest.raises(ConfigError, match="config.attention.implementation"):
     attention.causal_attention(q, k, v, implementation="cudnn",
                                segment_ids_BxL=jnp.asarray(SEGMENTS))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["heads split", "kv heads whole"])
+def test_attention_made_all_manual_equals_it_under_the_partitioner(kv_heads):
+  """`all_manual` inside a partly manual shard_map (as Ulysses calls the flash
+  kernel): the batch over `data`, the heads over `tensor` where the kv heads
+  split too, each device attending alone; values and gradients as one device's."""
+  from flax import nnx  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from meshtrain.mesh import make_mesh  # noqa: PLC0415
+  from meshtrain.rules import strategy_rules  # noqa: PLC0415
+  mesh = make_mesh({"data": 2, "tensor": 2, "sequence": 2})
+  q, k, v, cotangent = qkv(batch=4, kv_heads=kv_heads)
+  attend = lambda q, k, v: attention.causal_attention(q, k, v)  # noqa: E731
+
+  def partly_manual(q, k, v):
+    return jax.shard_map(lambda *x: attention.all_manual(attend, *x), in_specs=P(),
+                         out_specs=P(), axis_names={"sequence"})(q, k, v)
+
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(strategy_rules(mesh, 0).params):
+    manual = jax.jit(lambda *x: value_and_grads(partly_manual, *x))(q, k, v, cotangent)
+  expected = value_and_grads(attend, q, k, v, cotangent)
+  for got, want in zip(jax.tree.leaves(manual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -45,6 +45,10 @@ def by_axis(scheduled, kind: str, axis: str):
   return [c for c in scheduled if c.op.kind == kind and c.op.axis == axis]
 
 
+def flash_attention_calls(kernels) -> float:
+  return sum(k["count"] for k in kernels if k["kernel"] == gpu_program.FLASH_ATTENTION)
+
+
 def hidden_share(scheduled) -> float:
   return gpu_program.hidden_share(scheduled) or 0.0
 
@@ -53,9 +57,8 @@ def test_the_kernels_are_chosen_for_the_target_not_for_this_machine():
   setup, scheduled, kernels = program("h100:1x8", **{"mesh.fsdp": 8})
   assert parallelize.attention_kernel(setup.cfg, parallelize.run_device(setup.mesh)) == "cudnn"
   attention = [k for k in kernels if k["kernel"] == gpu_program.FLASH_ATTENTION]
-  # two layers, forward and backward
   assert attention and attention[0]["operands"] == "bf16 x bf16"
-  assert sum(k["count"] for k in attention) == 2 * 2
+  assert flash_attention_calls(kernels) == 2 * 2  # two layers, forward and backward
   gemms = [k for k in kernels if k["kernel"] != gpu_program.FLASH_ATTENTION]
   assert gemms and all(k["operands"] == "bf16 x bf16" for k in gemms
                        if k["kernel"] == "triton gemm"), gemms
@@ -119,19 +122,32 @@ def test_tensor_collectives_stay_inside_a_host_and_data_ones_cross(sequence_para
                                            ("ring", "collective-permute"),
                                            ("all_gather_kv", "all-gather")])
 def test_each_sequence_strategy_moves_keys_and_values_asynchronously(strategy, kind):
-  _, scheduled, _ = program("h100:1x8", **{"mesh.sequence": 4, "mesh.data": 2,
-                                           "attention.sequence_strategy": strategy})
+  _, scheduled, kernels = program("h100:1x8", **{"mesh.sequence": 4, "mesh.data": 2,
+                                                 "attention.sequence_strategy": strategy})
   moved = by_axis(scheduled, kind, "sequence")
   assert moved and all(c.asynchronous for c in moved)
+  if strategy == "ulysses":  # the flash kernel over each device's heads of the whole length
+    assert flash_attention_calls(kernels) == 2 * 2
 
 
 @pytest.mark.parametrize("across_hosts,crosses", [("pipeline", True), ("data", False)])
 def test_pipeline_sends_cross_hosts_where_the_pipeline_spans_them(across_hosts, crosses):
-  _, scheduled, _ = program("h100:2x8", **{"mesh.pipeline": 2, "mesh.data": 8,
-                                           "mesh.across_hosts": across_hosts,
-                                           "pipeline.microbatches": 2})
+  _, scheduled, kernels = program("h100:2x8", **{"mesh.pipeline": 2, "mesh.data": 4,
+                                                 "mesh.tensor": 2,
+                                                 "mesh.across_hosts": across_hosts,
+                                                 "pipeline.microbatches": 2})
   sends = by_axis(scheduled, "collective-permute", "pipeline")
   assert sends and all(c.crosses_hosts == crosses for c in sends)
+  assert flash_attention_calls(kernels) == 0  # parallelize.CUDNN_IN_PIPELINE
+
+
+def test_cudnn_attention_is_refused_inside_the_pipeline():
+  device = gpu_targets.devices(gpu_targets.parse("h100:1x8"))[0]
+  cfg = micro_config(**GPU_MICRO, **{"mesh.pipeline": 2})
+  assert parallelize.attention_kernel(cfg, device) == "xla"
+  cfg.attention.implementation = "cudnn"
+  with pytest.raises(ConfigError, match="cudnn does not compile inside the pipeline"):
+    validate.check_devices(cfg, 8, "gpu")
 
 
 def test_expert_all_to_alls_are_asynchronous():
@@ -173,20 +189,6 @@ def test_jax_with_the_cuda_plugin_and_no_driver_starts_quietly_on_the_cpu():
                           capture_output=True, text=True, env=env, cwd=REPO, check=True)
   assert "CpuDevice" in result.stdout
   assert result.stderr == ""
-
-
-def test_cudnn_attention_is_left_out_where_its_partitioner_fails():
-  """jax 0.10.2's cuDNN attention fails to compile inside the pipeline (seen
-  compiling the 70B preset on 256 GPUs): "" picks XLA's there, cudnn is refused."""
-  device = gpu_targets.devices(gpu_targets.parse("h100:1x8"))[0]
-  assert parallelize.attention_kernel(micro_config(**GPU_MICRO), device) == "cudnn"
-  for layout in ({"mesh.pipeline": 2}, {"mesh.sequence": 2,
-                                         "attention.sequence_strategy": "ulysses"}):
-    cfg = micro_config(**GPU_MICRO, **layout)
-    assert parallelize.attention_kernel(cfg, device) == "xla"
-    cfg.attention.implementation = "cudnn"
-    with pytest.raises(ConfigError, match="cudnn fails to compile"):
-      validate.check_devices(cfg, 8, "gpu")
 
 
 @pytest.fixture(scope="module")

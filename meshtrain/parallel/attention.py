@@ -10,9 +10,16 @@ score), and derives the softmax gradient from them, as Megatron's fused softmax
 does. In float32 the two are the same computation.
 """
 
+import functools
+import math
+from collections.abc import Callable
+
+import flax.core.spmd
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 
 IMPLEMENTATIONS = ("xla", "cudnn")
@@ -110,6 +117,36 @@ def _attention_bwd(residuals, g_BxTxNxH):
 masked_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def all_manual(attend: Callable, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array,
+               v_BxLxKxH: jax.Array) -> jax.Array:
+  """`attend(q, k, v)` with every mesh axis manual around it where some are
+  already (Ulysses' shard_map). jax 0.10.2's partitioner
+  of cuDNN attention fails on the sharding it gets in a partly manual region
+  (it reads `.spec` of a GSPMDSharding: seen in the program XLA's GPU compiler
+  builds, docs/gpu_program.md), so the other axes are made manual here too:
+  each device attends over its rows of the batch and its heads, the batch
+  split as the rules in force split it, the heads over the axes that split
+  the query and the kv heads alike (so a query head's kv head is on its
+  device), the length whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not mesh.manual_axes:
+    return attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+  rules = flax.core.spmd.get_logical_axis_rules() or ()
+  auto = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
+
+  def split(name: str, size: int) -> tuple[str, ...] | None:
+    axes = tuple(a for a in jax.tree.leaves(tuple(r.logical_to_spec((name,), rules)))
+                 if a in auto and mesh.shape[a] > 1)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+  batch = split(r.BATCH, q_BxLxNxH.shape[0])
+  heads, kv_heads = split(r.ACT_HEADS, q_BxLxNxH.shape[2]), split(r.ACT_KV_HEADS,
+                                                                   k_BxLxKxH.shape[2])
+  spec = P(batch, None, heads if heads == kv_heads else None, None)
+  return jax.shard_map(attend, in_specs=(spec,) * 3, out_specs=spec, axis_names=auto)(
+      q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
+
+
 def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, *,
                      implementation: str = "xla", segment_ids_BxL: jax.Array | None = None,
                      window: int = 0) -> jax.Array:
@@ -122,9 +159,10 @@ def causal_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
       raise ConfigError("config.attention.implementation",
                         "cudnn cannot keep packed documents apart here (jax 0.10 passes it no "
                         "segment ids); use 'xla' or config.data.packing='concat'")
-    return jax.nn.dot_product_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, is_causal=True,
-                                        local_window_size=(window - 1, 0) if window else None,
-                                        implementation="cudnn")
+    flash = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                              local_window_size=(window - 1, 0) if window else None,
+                              implementation="cudnn")
+    return all_manual(flash, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH)
   index_L = jnp.arange(q_BxLxNxH.shape[1])
   mask = causal_mask(index_L, index_L, segment_ids_BxL, segment_ids_BxL, window)
   return masked_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask)

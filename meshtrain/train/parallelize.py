@@ -68,24 +68,19 @@ def expert_axes(cfg) -> tuple[str, ...]:
 
 def attention_kernel(cfg, device: jax.Device | None = None) -> str:
   """`config.attention.implementation` resolved for `device` (default:
-  `run_device()`); "" is XLA's where cuDNN's fails to compile
-  (`cudnn_unpartitioned`)."""
+  `run_device()`); "" is XLA's inside the pipeline (`CUDNN_IN_PIPELINE`)."""
   kernel = attention.implementation_for(cfg.attention.implementation, cfg.compute_dtype,
                                         mla.widths(cfg.model)[2], device or run_device(),
                                         packed=cfg.data.packing == "segments")
-  return "xla" if kernel == "cudnn" and cudnn_unpartitioned(cfg) else kernel
+  return "xla" if kernel == "cudnn" and cfg.mesh.pipeline > 1 else kernel
 
 
-def cudnn_unpartitioned(cfg) -> str:
-  """Why cuDNN's attention cannot compile in this run ("" where it can): in
-  jax 0.10.2 its custom partitioner fails inside the pipeline's and
-  Ulysses' shard_maps, reading `.spec` of the GSPMDSharding it gets there
-  (seen in the program compiled for GPUs: tests/test_gpu_program.py)."""
-  if cfg.mesh.pipeline > 1:
-    return "inside the pipeline (config.mesh.pipeline > 1)"
-  if cfg.mesh.sequence > 1 and cfg.attention.sequence_strategy == "ulysses":
-    return "under Ulysses (config.attention.sequence_strategy=ulysses)"
-  return ""
+# Why cuDNN's attention does not run in a pipeline's stages (jax 0.10.2, seen in
+# the program compiled for GPUs: docs/gpu_program.md).
+CUDNN_IN_PIPELINE = (
+    "its custom partitioner fails inside the stages' shard_map (it reads `.spec` of a "
+    "GSPMDSharding), and made all manual there, the zero-bubble split of its backward fails "
+    "Shardy's verification")
 
 
 def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
