@@ -2,7 +2,9 @@
 (`meshtrain.gpu_targets`), read for what no CPU run shows: which kernels run,
 which collectives are asynchronous, what XLA schedules under them, and which
 cross hosts. Each configuration compiles once (`program`) and is checked for
-everything it shows.
+everything it shows; the quick tier compiles five (fsdp, data, tensor with
+Megatron-SP on two hosts, Ulysses, a pipeline across hosts), the full one
+every strategy.
 """
 
 import functools
@@ -74,9 +76,10 @@ def test_data_parallel_gradient_all_reduces_are_combined_and_asynchronous():
   assert hidden_share(gradients) > 0.6
 
 
-@pytest.mark.parametrize("layout", [{"mesh.data": 8, "zero_stage": 1},
-                                    {"mesh.data": 8, "zero_stage": 3},
-                                    {"mesh.fsdp": 8}], ids=["zero1", "zero3", "fsdp"])
+@pytest.mark.parametrize("layout", [
+    pytest.param({"mesh.data": 8, "zero_stage": 1}, id="zero1", marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 8, "zero_stage": 3}, id="zero3", marks=pytest.mark.slow),
+    pytest.param({"mesh.fsdp": 8}, id="fsdp")])
 def test_sharded_gradients_are_reduce_scattered_under_matmuls(layout):
   setup, scheduled, _ = program("h100:1x8", **layout)
   axis = "fsdp" if "mesh.fsdp" in layout else "data"
@@ -96,6 +99,7 @@ def test_fsdp_weight_all_gathers_are_prefetched_under_the_previous_layer():
   assert hidden_share(in_loop) > 0.9
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_reduces_over_both_axes():
   """HSDP: XLA reduce-scatters the gradients over fsdp and all-reduces the
   shards over data (not one all-reduce over both)."""
@@ -106,7 +110,8 @@ def test_hybrid_sharding_reduces_over_both_axes():
   assert sum(c.op.bytes for c in by_axis(scheduled, "all-reduce", "data+fsdp")) < scattered / 20
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("sequence_parallel", [
+    pytest.param(False, id="tp", marks=pytest.mark.slow), pytest.param(True, id="tp+sp")])
 def test_tensor_collectives_stay_inside_a_host_and_data_ones_cross(sequence_parallel):
   _, scheduled, _ = program("h100:2x8", **{"mesh.tensor": 4, "mesh.data": 4,
                                            "tensor_sequence_parallel": sequence_parallel})
@@ -118,9 +123,10 @@ def test_tensor_collectives_stay_inside_a_host_and_data_ones_cross(sequence_para
   assert data and all(c.crosses_hosts for c in data)
 
 
-@pytest.mark.parametrize("strategy,kind", [("ulysses", "all-to-all"),
-                                           ("ring", "collective-permute"),
-                                           ("all_gather_kv", "all-gather")])
+@pytest.mark.parametrize("strategy,kind", [
+    pytest.param("ulysses", "all-to-all", id="ulysses"),
+    pytest.param("ring", "collective-permute", id="ring", marks=pytest.mark.slow),
+    pytest.param("all_gather_kv", "all-gather", id="all_gather_kv", marks=pytest.mark.slow)])
 def test_each_sequence_strategy_moves_keys_and_values_asynchronously(strategy, kind):
   _, scheduled, kernels = program("h100:1x8", **{"mesh.sequence": 4, "mesh.data": 2,
                                                  "attention.sequence_strategy": strategy})
@@ -130,7 +136,9 @@ def test_each_sequence_strategy_moves_keys_and_values_asynchronously(strategy, k
     assert flash_attention_calls(kernels) == 2 * 2
 
 
-@pytest.mark.parametrize("across_hosts,crosses", [("pipeline", True), ("data", False)])
+@pytest.mark.parametrize("across_hosts,crosses", [
+    pytest.param("pipeline", True, id="pipeline"),
+    pytest.param("data", False, id="data", marks=pytest.mark.slow)])
 def test_pipeline_sends_cross_hosts_where_the_pipeline_spans_them(across_hosts, crosses):
   _, scheduled, kernels = program("h100:2x8", **{"mesh.pipeline": 2, "mesh.data": 4,
                                                  "mesh.tensor": 2,
@@ -150,6 +158,7 @@ def test_cudnn_attention_is_refused_inside_the_pipeline():
     validate.check_devices(cfg, 8, "gpu")
 
 
+@pytest.mark.slow
 def test_expert_all_to_alls_are_asynchronous():
   _, scheduled, _ = program("h100:1x8", **{"mesh.fsdp": 8, "model.moe.num_experts": 8,
                                            "model.moe.experts_per_token": 2,
