@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from meshtrain import jax_internals as core
@@ -263,21 +264,47 @@ def _forward(loss_fn: Callable[[Any, dict], jax.Array]) -> Callable:
   return lambda params, batch: jax.vjp(lambda p: loss_fn(p, batch), params)[1]
 
 
-def _input_dependent(jaxpr) -> set:
-  """Values computed from the inputs. The others (causal masks from iota,
-  rotary tables) are constants XLA folds into their users in the train step."""
+# Ops whose results XLA recomputes inside their users rather than keep, when
+# their operands are integers of the batch, iotas or constants.
+_RECOMPUTED_OPS = frozenset((
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "select_n", "iota",
+    "add", "sub", "mul"))
+
+
+def _input_dependent(jaxpr, num_params: int) -> set:
+  """Values computed from the inputs that the train step keeps. The others
+  are constants XLA folds into their users (causal masks from iota, rotary
+  tables), or elementwise functions of the batch's integers that it
+  recomputes inside their users (the loss's one-hot of the targets: a
+  [tokens, vocabulary] float32 array were it kept; seen absent from the
+  program XLA's GPU compiler builds, docs/gpu_program.md)."""
   dependent = set(jaxpr.invars)
+  integers = {v for v in jaxpr.invars[num_params:] if jnp.issubdtype(v.aval.dtype, jnp.integer)}
+  recomputed = set()
   for eqn in jaxpr.eqns:
-    if any(_is_var(v) and v in dependent for v in eqn.invars):
-      dependent.update(eqn.outvars)
-  return dependent
+    if not any(_is_var(v) and v in dependent for v in eqn.invars):
+      continue
+    dependent.update(eqn.outvars)
+    if _recomputed_op(eqn) and all(
+        not _is_var(v) or v not in dependent or v in integers or v in recomputed
+        for v in eqn.invars):
+      recomputed.update(eqn.outvars)
+  return dependent - recomputed
+
+
+def _recomputed_op(eqn) -> bool:
+  """An op of `_RECOMPUTED_OPS`, or a call (`jax.nn.one_hot` is jitted) of nothing else."""
+  if eqn.primitive.name in ("jit", "pjit"):
+    return all(_recomputed_op(inner) for inner in _sub_jaxpr(eqn).eqns)
+  return eqn.primitive.name in _RECOMPUTED_OPS
 
 
 def _new_outputs(jaxpr, num_params: int) -> list[int]:
   """Indices of the residuals that cost memory: computed from the inputs, not
   a weight, not a repeat."""
   params_in, seen, kept = set(jaxpr.invars[:num_params]), set(), []
-  dependent = _input_dependent(jaxpr)
+  dependent = _input_dependent(jaxpr, num_params)
   for i, v in enumerate(jaxpr.outvars):
     if _is_var(v) and v in dependent and v not in params_in and v not in seen:
       seen.add(v)
