@@ -93,8 +93,16 @@ def _excepthook(kind, value, tb):
   _closed_loop(value, tb) or _Quiet.saved[0](kind, value, tb)
 
 
+def _orbax_coroutine(unraisable) -> bool:
+  """An orbax coroutine left behind by a read that failed: garbage-collected
+  unfinished (`Exception ignored in: <coroutine object ...>`)."""
+  code = getattr(unraisable.object, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename.replace("\\", "/")
+
+
 def _unraisablehook(unraisable):
-  _closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _Quiet.saved[1](unraisable)
+  (_closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _orbax_coroutine(unraisable)
+   or _Quiet.saved[1](unraisable))
 
 
 def _not_about_a_failed_save(record: logging.LogRecord) -> bool:
@@ -118,6 +126,16 @@ class _Quiet:
 
   users = 0
   saved = (sys.excepthook, sys.unraisablehook)
+
+  @classmethod
+  def after_failed_read(cls) -> None:
+    """A restore that failed leaves orbax's other reads running: their
+    callbacks meet the closed loop and their coroutines are collected
+    unfinished, any time until the process exits. The run stops with one line
+    then, so the hooks stay for the rest of the process."""
+    if not getattr(cls, "_kept", False):
+      cls._kept = True
+      cls.open()
 
   @classmethod
   def open(cls) -> None:
@@ -216,6 +234,8 @@ class Checkpoints:
       raise
     except Exception as error:
       reason = damage_reason(error)
+      if reason is not None or isinstance(error, OSError):
+        _Quiet.after_failed_read()
       if reason is not None:
         raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
                           "remove that step directory to resume from the one before") from None
