@@ -21,7 +21,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import distributed, flag_parsing, generate, launch, validate, workdir as saved_run
+from meshtrain import (distributed, flag_parsing, generate, launch, usage, validate,
+                       workdir as saved_run)
 from meshtrain.analysis import clusters, search, selfcheck
 from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
@@ -30,7 +31,7 @@ from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
-from meshtrain.train import resume
+from meshtrain.train import plot, resume
 from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
@@ -73,7 +74,7 @@ _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage 
 _COSTS = flags.DEFINE_string("costs", "1,1,1", "schedule: cost of F, B (input gradient) and "
                              "W (weight gradient) of one stage, e.g. 1,1,1 or 1,2,0 (Megatron)")
 _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here; prepare: the "
-                           "directory to create")
+                           "directory to create; plot: the picture (default WORKDIR/metrics.png)")
 _INPUT = flags.DEFINE_multi_string("input", [], "prepare: text, JSONL or Parquet files, globs or "
                                    "directories (more paths may follow)")
 _FORMAT = flags.DEFINE_enum("format", "text", INPUT_FORMATS, "prepare: text: documents; chat: "
@@ -89,8 +90,9 @@ _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: bla
                                        "documents in text files (default: one document per file)")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "
                                    "for evaluation")
-_WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate: the run's workdir (its "
-                               "saved config; --config.KEY=VALUE flags change it, e.g. the mesh)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate, plot: the run's workdir "
+                               "(its saved config; --config.KEY=VALUE flags change it, e.g. the "
+                               "mesh)")
 _STEP = flags.DEFINE_integer("step", None, "eval, export-hf, generate: the checkpoint "
                              "step (default: the newest)")
 _VERIFY_STEPS = flags.DEFINE_integer("verify_steps", 2, "verify: train steps to compare")
@@ -500,6 +502,19 @@ def verify_command(argv: list[str]) -> None:
     sys.exit(1)
 
 
+def plot_command(argv: list[str]) -> None:
+  del argv
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a run: meshtrain plot --workdir runs/tiny")
+  out = plot.draw(_WORKDIR.value, _OUT.value or Path(_WORKDIR.value) / "metrics.png")
+  print(f"plotted {Path(_WORKDIR.value) / 'metrics.jsonl'}: {out}")
+
+
+def config_command(argv: list[str]) -> None:
+  del argv
+  print(usage.config_text(_CONFIG.value))
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -568,7 +583,7 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
             "launch": launch_command, "prepare": prepare_command,
             "eval": eval_command, "import-hf": import_hf_command,
             "export-hf": export_hf_command, "generate": generate_command,
-            "verify": verify_command}
+            "verify": verify_command, "plot": plot_command, "config": config_command}
 # Commands that take positional arguments: launch's command after --, prepare's inputs.
 POSITIONAL_ARGS = (launch_command, prepare_command)
 # The flags of this module each command reads; a flag it does not read is an error, not a no-op.
@@ -587,6 +602,8 @@ FLAGS_READ = {
                        "temperature", "top_k", "top_p", "seed", "json"),
     verify_command: ("config", "config.", "verify_steps"),
     launch_command: ("num_processes", "devices_per_process", "max_restarts"),
+    plot_command: ("workdir", "out"),
+    config_command: ("config", "config."),
 }
 OWN_FLAGS = [name for name, holder in list(globals().items())
              if name.startswith("_") and isinstance(holder, flags.FlagHolder)]
@@ -604,7 +621,7 @@ def _check_flags_read(command, argv: list[str]) -> None:
   for flag in given:
     if flag not in read and not (flag.startswith("config.") and "config." in read):
       where = ("it reads the run's saved config; change its keys with --config.KEY=VALUE"
-               if flag == "config" and "config." in read else f"see `meshtrain {name} --helpfull`")
+               if flag == "config" and "config." in read else f"see `meshtrain {name} --help`")
       raise ConfigError(f"--{flag}", f"is not read by `meshtrain {name}`, so it would do "
                         f"nothing; remove it ({where})")
 
@@ -695,13 +712,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(error)
 
 
+def _help(argv: list[str]) -> None:
+  """`meshtrain`, `meshtrain --help` and `meshtrain help` list the commands;
+  `meshtrain COMMAND --help` (or `help COMMAND`) lists its flags; both exit 0."""
+  own = argv[:argv.index("--")] if "--" in argv else argv  # after --: launch's command
+  if own[:1] == ["help"] and own[1:2] and own[1] in COMMANDS:
+    own = [own[1], "--help"]
+  if not own or own[0] in ("help", *usage.HELP_FLAGS):
+    print(usage.commands_text())
+    sys.exit(0)
+  if own[0] in COMMANDS and any(arg in usage.HELP_FLAGS for arg in own[1:]):
+    print(usage.command_text(own[0], FLAGS_READ[COMMANDS[own[0]]]))
+    sys.exit(0)
+
+
 def run(argv: list[str] | None = None) -> None:
   """The `meshtrain` console script; `argv` (default sys.argv[1:]) starts with the command."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  if not argv or argv[0] not in COMMANDS:
-    given = f"{argv[0]!r} is not a command" if argv else "no command given"
-    _fail(ConfigError("command", f"{given}; use meshtrain {{{'|'.join(COMMANDS)}}} [--flags] "
-                      "(--helpfull for flags)"))
+  _help(argv)
+  if argv[0] not in COMMANDS:
+    _fail(ConfigError("command", f"{argv[0]!r} is not a command; use meshtrain "
+                      f"{{{'|'.join(COMMANDS)}}} [--flags] (`meshtrain help` lists them)"))
   _GIVEN_ARGV[:] = argv
   argv = flag_parsing.with_config(argv, meshtrain.config.__file__)
   app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],

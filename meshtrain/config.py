@@ -7,14 +7,17 @@ keys. One comment per field says what it does.
 
 import importlib.util
 import pathlib
+import re
 
 import ml_collections
+
+DEFAULT_WORKDIR = "runs/default"
 
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0                    # parameter init and data order
-  c.workdir = "runs/default"    # metrics.jsonl, TensorBoard events, config.json
+  c.workdir = DEFAULT_WORKDIR   # checkpoints, metrics.jsonl, TensorBoard events, config.json (a configs/ file's default: runs/<file>[_<arg>])
   c.steps = 200                 # optimizer steps to run
   c.global_batch = 16           # sequences per optimizer step, over all devices
   c.seq_len = 128               # tokens per sequence
@@ -161,3 +164,11 @@ def load(path, *args) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(*args)
+
+
+def preset_workdir(config_arg: str) -> str:
+  """The workdir of a run of the config file `config_arg` (`configs/tp.py:tiny`)
+  that sets none: `runs/tp_tiny`, so that presets never share one."""
+  path, _, arg = config_arg.partition(":")
+  name = "_".join(filter(None, (pathlib.Path(path).stem, re.sub(r"\W+", "_", arg).strip("_"))))
+  return f"runs/{name}"

@@ -130,6 +130,9 @@ def _train(cfg, watchdog) -> list[dict]:
   workdir = Path(cfg.workdir)
   state, checkpoints, origin = start_state(cfg, setup, batches)
   first = int(state.step) + 1
+  if first > cfg.steps:  # this config's run, finished (start_state refuses another's)
+    checkpoints.close()
+    return []
   workdir.mkdir(parents=True, exist_ok=True)
   _announce(cfg, setup, workdir, origin, first - 1, rows)
   throughput = Throughput(first, cfg.global_batch * cfg.seq_len,
