@@ -165,6 +165,9 @@ def init_from(cfg, setup: Setup) -> TrainState:
                       "directory)")
   directory = cfg.init_from[len(importer.PREFIX):]
   check_model(directory, cfg.model, key=key)
+  note = importer.balancing_note(Path(directory), cfg.model.moe)
+  if note and jax.process_index() == 0:
+    print(note, flush=True)
   return initial_state(setup, directory, key=key)
 
 
