@@ -36,7 +36,7 @@ from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.relayout import read_saved
-from meshtrain.train.setup import build
+from meshtrain.train.setup import build, with_packing
 
 # The args ml_collections reads the --config.KEY overrides from: this command's
 # own, set by `_parse_flags` (not sys.argv, which holds launch's command after --
@@ -185,7 +185,7 @@ def plan_command(argv: list[str]) -> None:
   _use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
-  report = plan(cfg, devices, _COMPILE.value)
+  report = plan(with_packing(cfg), devices, _COMPILE.value)
   print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
 
 
@@ -368,9 +368,10 @@ def import_hf_command(argv: list[str]) -> None:
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
-    note = importer.left_out_note(Path(_FROM.value), cfg.model.mtp_layers)
-    if note:
-      print(note)
+    for note in (importer.balancing_note(Path(_FROM.value), cfg.model.moe),
+                 importer.left_out_note(Path(_FROM.value), cfg.model.mtp_layers)):
+      if note:
+        print(note)
 
 
 def _check_import_flags() -> None:

@@ -147,7 +147,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"   # synthetic | text | tokens (a `meshtrain prepare` directory)
   c.data.path = ""              # UTF-8 text file for source=text, prepared directory for source=tokens
-  c.data.packing = "concat"     # concat: attend across documents | segments: only inside one (segment_ids, positions)
+  c.data.packing = "auto"       # auto: segments for a corpus with a loss mask (chat), else concat | concat: attend across documents | segments: only inside one
   c.init_from = ""              # "" random init, or "hf:DIR" a Hugging Face Llama's weights (meshtrain/hf)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
 

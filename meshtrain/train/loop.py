@@ -26,7 +26,7 @@ from meshtrain.train.parallelize import from_stage_slots, model_config
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.setup import padded_vocab as rounded_vocab
+from meshtrain.train.setup import padded_vocab as rounded_vocab, with_packing
 from meshtrain.train.watchdog import watchdog_for
 
 
@@ -62,6 +62,15 @@ def padded_vocab(cfg):
     print(f"model.vocab_size {cfg.model.vocab_size} -> {padded.model.vocab_size}, a multiple "
           f"of mesh.tensor = {tensor} (the rows past the data's ids are padding)", flush=True)
   return padded
+
+
+def packed(cfg):
+  """`meshtrain.train.setup.with_packing`, printed where "auto" chose segments."""
+  resolved = with_packing(cfg)
+  if resolved is not cfg and resolved.data.packing == "segments" and jax.process_index() == 0:
+    print("data.packing auto -> segments: the corpus carries a loss mask, so each document "
+          "(conversation) attends only to itself", flush=True)
+  return resolved
 
 
 def _announce(cfg, setup: Setup, workdir: Path, origin: str, start: int, rows: range) -> None:
@@ -118,7 +127,7 @@ def train(cfg) -> list[dict]:
 
 
 def _train(cfg, watchdog) -> list[dict]:
-  cfg = padded_vocab(cfg)
+  cfg = packed(padded_vocab(cfg))
   setup = build(cfg)
   check_fits(setup)
   evaluator = evaluator_for(cfg, setup)
