@@ -49,6 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.timeout_s = 120           # joining, and noticing a lost peer (its heartbeats stop): exit 4
   c.distributed.step_timeout_s = 300      # several processes: a step, save or evaluation running longer is a hang: exit 4, stacks in the workdir (0: off)
   c.distributed.compile_timeout_s = 1800  # the same for what compiles: setting up, the first step, the first evaluation
+  c.distributed.save_timeout_s = 3600     # the same for a save that waits for the disk: the last one, a preemption's (0: no limit)
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256      # byte-level tokenizer

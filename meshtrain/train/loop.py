@@ -95,7 +95,7 @@ def _halt(cfg, state, checkpoints, batches) -> None:
 
 
 def _stop_preempted(cfg, state, checkpoints, batches, step: int, why: str, watchdog) -> None:
-  with watchdog.phase(f"saving checkpoint {step}", step):
+  with watchdog.phase(f"saving checkpoint {step}", step, watchdog.allowance(saves=True)):
     checkpoints.save(step, state, batches, cfg)
     checkpoints.wait()
   if jax.process_index() == 0:
@@ -186,13 +186,14 @@ def _train(cfg, watchdog) -> list[dict]:
         if preempted:
           _stop_preempted(cfg, state, checkpoints, batches, step, preempted, watchdog)
           return records
-      with watchdog.phase(f"saving checkpoint {int(state.step)}", int(state.step)):
+      with watchdog.phase(f"saving checkpoint {int(state.step)}", int(state.step),
+                          watchdog.allowance(saves=True)):
         checkpoints.save(int(state.step), state, batches, cfg)
   finally:
     bar.close()
     try:
       writer.close()  # a full disk fails here too: the saves in flight still finish
     finally:
-      with watchdog.phase("saving the last checkpoints", cfg.steps):
+      with watchdog.phase("saving the last checkpoints", cfg.steps, watchdog.allowance(saves=True)):
         checkpoints.close()  # waits for the saves in flight
   return records
