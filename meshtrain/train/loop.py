@@ -153,7 +153,8 @@ def _train(cfg, watchdog) -> list[dict]:
              disable=jax.process_index() != 0)
   watchdog.expect(f"step {first}", first, watchdog.allowance(compiles=True))
   try:
-    with PreemptionRequest() as preemption:
+    with PreemptionRequest(distributed.client(), jax.process_index(), jax.process_count(),
+                           lockstep=watchdog.deadlines) as preemption:
       for step in range(first, cfg.steps + 1):
         watchdog.inject_fault(step)
         state, metrics = setup.train_step(state, to_global(next(batches), sharding, batch_shape))
@@ -166,7 +167,7 @@ def _train(cfg, watchdog) -> list[dict]:
           watchdog.inject_fault(step, "save")
         evaluating = evaluator is not None and evaluator.due(step)
         logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
-        preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
+        preempted = preemption.agreed(step, logging)
         if not (logging or preempted):
           continue
         record = {"step": step, **{k: v.item() for k, v in jax.device_get(metrics).items()},
