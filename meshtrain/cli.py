@@ -23,8 +23,8 @@ from ml_collections import config_flags
 import meshtrain.config
 from meshtrain import (distributed, flag_parsing, generate, launch, usage, validate,
                        workdir as saved_run)
-from meshtrain.analysis import clusters, search, selfcheck
-from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.analysis import clusters, search, selfcheck, verdict
+from meshtrain.analysis.plan import device_memory, format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
@@ -56,7 +56,9 @@ _DEVICES = flags.DEFINE_integer("devices", None, "plan: devices to plan for (def
                                 "config's simulate_devices, else the devices present)")
 _SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
                             "microbatches for --devices of --cluster, fastest first")
-_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset "
+_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan: the devices to judge the plan against "
+                               "(default: the accelerators present, else h100); --search: to "
+                               "search for; a preset "
                                f"({', '.join(clusters.PRESETS)}) or a JSON file with the "
                                "same fields")
 _TOP = flags.DEFINE_integer("top", 5, "plan --search: how many configurations to print")
@@ -172,7 +174,7 @@ def plan_command(argv: list[str]) -> None:
   if _SEARCH.value:
     _search(cfg)
     return
-  searching = [f"--{name}" for name in ("mesh", "cluster", "top", "global_batch", "seq_len")
+  searching = [f"--{name}" for name in ("mesh", "top", "global_batch", "seq_len")
                if flags.FLAGS[name].present]
   if searching:
     raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
@@ -186,7 +188,24 @@ def plan_command(argv: list[str]) -> None:
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
   report = plan(with_packing(cfg), devices, _COMPILE.value)
-  print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+  report["verdict"] = _verdict(cfg, report)
+  print(json.dumps(report, indent=2) if _JSON.value else
+        f"{format_plan(report)}\n\n{report['verdict']['text']}")
+
+
+def _verdict(cfg, report: dict) -> dict:
+  """`verdict.verdict` against --cluster when given, else the devices present
+  where they are accelerators, else an H100 (--cluster's default)."""
+  local = jax.devices()[0]
+  memory = None if flags.FLAGS["cluster"].present else device_memory(local)
+  if memory and local.platform != "cpu":
+    capacity, device = memory, f"one {local.device_kind}"
+  else:
+    cluster = clusters.load(_CLUSTER.value)
+    capacity = cluster.hbm_bytes * cluster.usable_memory
+    device = f"one {cluster.name} ({cluster.hbm_bytes / 1e9:.0f} GB; --cluster names another)"
+  return verdict.verdict(report["analytic"]["memory_bytes"], report["devices"], capacity, device,
+                         _planned_config_args(cfg), _CLUSTER.value, cfg.remat)
 
 
 def _check_as_config(flag: str, key: str, value, fix: str = "") -> None:
