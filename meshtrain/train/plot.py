@@ -1,10 +1,10 @@
 """`meshtrain plot --workdir W`: a run's loss, eval loss and learning rate
 from its `metrics.jsonl`, drawn with matplotlib into one PNG (or PDF, SVG)."""
 
-import json
 from pathlib import Path
 
 from meshtrain.errors import ConfigError
+from meshtrain.train import metrics
 
 FORMATS = ("png", "pdf", "svg")
 
@@ -15,14 +15,7 @@ def read_metrics(workdir) -> list[dict]:
   if not path.is_file():
     raise ConfigError("--workdir", f"{path} not found; give the workdir of a run that has "
                       "logged a step (meshtrain train writes it)")
-  records = []
-  for line in path.read_text(errors="replace").splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
-      records.append(record)
+  records = [record for _, record in metrics.records(path)]
   if not records:
     raise ConfigError("--workdir", f"{path} holds no step yet; plot it once the run has logged one")
   return records
