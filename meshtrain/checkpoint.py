@@ -105,6 +105,27 @@ def _unraisablehook(unraisable):
    or _Quiet.saved[1](unraisable))
 
 
+def _quiet_leftovers() -> None:
+  """After a failed restore: orbax's other reads go on, their callbacks meet
+  the closed loop and their coroutines are collected unfinished, any time
+  until the process exits (which the run's one error line is about to do).
+  Wraps the hooks in place (once) so that only those reports are dropped;
+  `_Quiet` and the absl log filter are left as they are."""
+  if getattr(sys.unraisablehook, "quiets_orbax", False):
+    return
+  unraisable_next, except_next = sys.unraisablehook, sys.excepthook
+
+  def unraisablehook(unraisable):
+    (_closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _orbax_coroutine(unraisable)
+     or unraisable_next(unraisable))
+
+  def excepthook(kind, value, tb):
+    _closed_loop(value, tb) or except_next(kind, value, tb)
+
+  unraisablehook.quiets_orbax = True
+  sys.unraisablehook, sys.excepthook = unraisablehook, excepthook
+
+
 def _not_about_a_failed_save(record: logging.LogRecord) -> bool:
   """orbax logs a failed save (a full or read-only disk) from each of its
   threads; `Checkpoints` reports it once. Its other records pass."""
@@ -126,16 +147,6 @@ class _Quiet:
 
   users = 0
   saved = (sys.excepthook, sys.unraisablehook)
-
-  @classmethod
-  def after_failed_read(cls) -> None:
-    """A restore that failed leaves orbax's other reads running: their
-    callbacks meet the closed loop and their coroutines are collected
-    unfinished, any time until the process exits. The run stops with one line
-    then, so the hooks stay for the rest of the process."""
-    if not getattr(cls, "_kept", False):
-      cls._kept = True
-      cls.open()
 
   @classmethod
   def open(cls) -> None:
@@ -235,7 +246,7 @@ class Checkpoints:
     except Exception as error:
       reason = damage_reason(error)
       if reason is not None or isinstance(error, OSError):
-        _Quiet.after_failed_read()
+        _quiet_leftovers()
       if reason is not None:
         raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
                           "remove that step directory to resume from the one before") from None
