@@ -19,7 +19,7 @@ from meshtrain.train.optimizer import schedule_change
 from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.relayout import Relayout, saved_layout
-from meshtrain.train.setup import Setup, build
+from meshtrain.train.setup import Setup, build, with_packing
 from meshtrain.train.state import TrainState
 
 
@@ -177,6 +177,7 @@ def import_hf(cfg, source, workdir) -> Path:
   (`meshtrain.hf.importer`) and a step-0 checkpoint."""
   source, workdir = Path(source), Path(workdir).absolute()
   hf, has_tokenizer = importer.prepare(cfg, source, workdir)
+  cfg = with_packing(cfg)  # saved as a run saves it, so that the run resumes it
   setup = build(cfg)
   state = initial_state(setup, source, key="--from")
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
