@@ -32,7 +32,9 @@ def get_config(source: str = ""):
     c.model.update({k: v for k, v in saved["model"].items() if k in c.model})
     c.tokenizer, c.workdir = saved["tokenizer"], str(source)
   elif source.name:  # a Hugging Face model directory
-    c.model.update(hf_config.model_keys(hf_config.read(source, key="configs/finetune_hf.py")))
+    hf = hf_config.read(source, key="configs/finetune_hf.py")
+    c.model.update(hf_config.model_keys(hf))
+    hf_config.apply_balancing(hf, c.model.moe)  # as it was trained; train prints a note
     c.init_from = f"{PREFIX}{source}"
     if (source / "tokenizer.json").is_file():
       c.tokenizer = str(source)

@@ -1,5 +1,5 @@
 """A random tiny chat model and conversations to fine-tune it on, offline: the
-stand-in for a downloaded Hugging Face chat model in the README's walkthrough.
+stand-in for a downloaded Hugging Face chat model in docs/huggingface.md's walkthrough.
 
   python examples/tiny_chat_model.py OUT
 

@@ -93,8 +93,37 @@ def _excepthook(kind, value, tb):
   _closed_loop(value, tb) or _Quiet.saved[0](kind, value, tb)
 
 
+def _orbax_coroutine(unraisable) -> bool:
+  """An orbax coroutine left behind by a read that failed: garbage-collected
+  unfinished (`Exception ignored in: <coroutine object ...>`)."""
+  code = getattr(unraisable.object, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename.replace("\\", "/")
+
+
 def _unraisablehook(unraisable):
-  _closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _Quiet.saved[1](unraisable)
+  (_closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _orbax_coroutine(unraisable)
+   or _Quiet.saved[1](unraisable))
+
+
+def _quiet_leftovers() -> None:
+  """After a failed restore: orbax's other reads go on, their callbacks meet
+  the closed loop and their coroutines are collected unfinished, any time
+  until the process exits (which the run's one error line is about to do).
+  Wraps the hooks in place (once) so that only those reports are dropped;
+  `_Quiet` and the absl log filter are left as they are."""
+  if getattr(sys.unraisablehook, "quiets_orbax", False):
+    return
+  unraisable_next, except_next = sys.unraisablehook, sys.excepthook
+
+  def unraisablehook(unraisable):
+    (_closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _orbax_coroutine(unraisable)
+     or unraisable_next(unraisable))
+
+  def excepthook(kind, value, tb):
+    _closed_loop(value, tb) or except_next(kind, value, tb)
+
+  unraisablehook.quiets_orbax = True
+  sys.unraisablehook, sys.excepthook = unraisablehook, excepthook
 
 
 def _not_about_a_failed_save(record: logging.LogRecord) -> bool:
@@ -216,6 +245,8 @@ class Checkpoints:
       raise
     except Exception as error:
       reason = damage_reason(error)
+      if reason is not None or isinstance(error, OSError):
+        _quiet_leftovers()
       if reason is not None:
         raise ConfigError(self.config_key, f"checkpoint {path} cannot be read ({reason}); "
                           "remove that step directory to resume from the one before") from None

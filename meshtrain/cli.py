@@ -21,22 +21,22 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import (distributed, flag_parsing, generate, gpu_targets, launch, validate,
+from meshtrain import (distributed, flag_parsing, generate, gpu_targets, launch, usage, validate,
                        workdir as saved_run)
-from meshtrain.analysis import clusters, search, selfcheck
-from meshtrain.analysis.plan import format_plan, plan
+from meshtrain.analysis import clusters, search, selfcheck, verdict
+from meshtrain.analysis.plan import device_memory, format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
-from meshtrain.train import resume
+from meshtrain.train import plot, resume
 from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.relayout import read_saved
-from meshtrain.train.setup import build
+from meshtrain.train.setup import build, with_packing
 
 # The args ml_collections reads the --config.KEY overrides from: this command's
 # own, set by `_parse_flags` (not sys.argv, which holds launch's command after --
@@ -60,7 +60,9 @@ _TARGET = flags.DEFINE_string("target", None, "plan: compile the step here for a
                               ".txtpb file)")
 _SEARCH = flags.DEFINE_bool("search", False, "plan: search meshes, ZeRO stage, recomputation and "
                             "microbatches for --devices of --cluster, fastest first")
-_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan --search: a preset "
+_CLUSTER = flags.DEFINE_string("cluster", "h100", "plan: the devices to judge the plan against "
+                               "(default: the accelerators present, else h100); --search: to "
+                               "search for; a preset "
                                f"({', '.join(clusters.PRESETS)}) or a JSON file with the "
                                "same fields")
 _TOP = flags.DEFINE_integer("top", 5, "plan --search: how many configurations to print")
@@ -78,7 +80,7 @@ _VIRTUAL = flags.DEFINE_integer("virtual", 1, "schedule: model chunks per stage 
 _COSTS = flags.DEFINE_string("costs", "1,1,1", "schedule: cost of F, B (input gradient) and "
                              "W (weight gradient) of one stage, e.g. 1,1,1 or 1,2,0 (Megatron)")
 _OUT = flags.DEFINE_string("out", None, "schedule: write a Gantt chart PNG here; prepare: the "
-                           "directory to create")
+                           "directory to create; plot: the picture (default WORKDIR/metrics.png)")
 _INPUT = flags.DEFINE_multi_string("input", [], "prepare: text, JSONL or Parquet files, globs or "
                                    "directories (more paths may follow)")
 _FORMAT = flags.DEFINE_enum("format", "text", INPUT_FORMATS, "prepare: text: documents; chat: "
@@ -94,8 +96,9 @@ _SPLIT_BLANK_LINES = flags.DEFINE_bool("split_blank_lines", False, "prepare: bla
                                        "documents in text files (default: one document per file)")
 _VAL_FRACTION = flags.DEFINE_float("val_fraction", 0.05, "prepare: share of the tokens held out "
                                    "for evaluation")
-_WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate: the run's workdir (its "
-                               "saved config; --config.KEY=VALUE flags change it, e.g. the mesh)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "eval, export-hf, generate, plot: the run's workdir "
+                               "(its saved config; --config.KEY=VALUE flags change it, e.g. the "
+                               "mesh)")
 _STEP = flags.DEFINE_integer("step", None, "eval, export-hf, generate: the checkpoint "
                              "step (default: the newest)")
 _VERIFY_STEPS = flags.DEFINE_integer("verify_steps", 2, "verify: train steps to compare")
@@ -178,7 +181,7 @@ def plan_command(argv: list[str]) -> None:
   if _TARGET.value is not None:
     _plan_target(cfg)
     return
-  searching = [f"--{name}" for name in ("mesh", "cluster", "top", "global_batch", "seq_len")
+  searching = [f"--{name}" for name in ("mesh", "top", "global_batch", "seq_len")
                if flags.FLAGS[name].present]
   if searching:
     raise ConfigError(searching[0], "is read by plan --search only; add --search, or plan the "
@@ -191,8 +194,25 @@ def plan_command(argv: list[str]) -> None:
   _use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
-  report = plan(cfg, devices, _COMPILE.value)
-  print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+  report = plan(with_packing(cfg), devices, _COMPILE.value)
+  report["verdict"] = _verdict(cfg, report)
+  print(json.dumps(report, indent=2) if _JSON.value else
+        f"{format_plan(report)}\n\n{report['verdict']['text']}")
+
+
+def _verdict(cfg, report: dict) -> dict:
+  """`verdict.verdict` against --cluster when given, else the devices present
+  where they are accelerators, else an H100 (--cluster's default)."""
+  local = jax.devices()[0]
+  memory = None if flags.FLAGS["cluster"].present else device_memory(local)
+  if memory and local.platform != "cpu":
+    capacity, device = memory, f"one {local.device_kind}"
+  else:
+    cluster = clusters.load(_CLUSTER.value)
+    capacity = cluster.hbm_bytes * cluster.usable_memory
+    device = f"one {cluster.name} ({cluster.hbm_bytes / 1e9:.0f} GB; --cluster names another)"
+  return verdict.verdict(report["analytic"]["memory_bytes"], report["devices"], capacity, device,
+                         _planned_config_args(cfg), _CLUSTER.value, cfg.remat)
 
 
 def _plan_target(cfg) -> None:
@@ -201,13 +221,22 @@ def _plan_target(cfg) -> None:
   if _COMPILE.value:
     raise ConfigError("--compile", "plan --target compiles for the target's GPUs itself; remove "
                       "--compile (which compiles for simulated CPU devices)")
+  if _CLUSTER.present:
+    raise ConfigError("--cluster", f"plan --target judges against the target's own GPUs "
+                      f"({target}); remove --cluster")
   if _DEVICES.value is not None and _DEVICES.value != target.num_devices:
     raise ConfigError("--devices", f"is {_DEVICES.value}, but --target {target} has "
                       f"{target.num_devices} devices; remove --devices")
   gpu_targets.devices(target)  # before anything starts a backend on this machine
   validate.check_devices(cfg, target.num_devices, "gpu")
-  report = plan(cfg, target.num_devices, compile_step=False, target=target)
-  print(json.dumps(report, indent=2) if _JSON.value else format_plan(report))
+  report = plan(with_packing(cfg), target.num_devices, compile_step=False, target=target)
+  usable = clusters.PRESETS[target.name].usable_memory if target.name in clusters.PRESETS else 1
+  report["verdict"] = verdict.verdict(
+      report["measured"]["memory_bytes"], target.num_devices, target.memory_bytes * usable,
+      f"one {target.device_kind} (by the compiled program)", _planned_config_args(cfg),
+      target.name if target.name in clusters.PRESETS else "h100", cfg.remat)
+  print(json.dumps(report, indent=2) if _JSON.value else
+        f"{format_plan(report)}\n\n{report['verdict']['text']}")
 
 
 def _check_as_config(flag: str, key: str, value, fix: str = "") -> None:
@@ -391,9 +420,10 @@ def import_hf_command(argv: list[str]) -> None:
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
-    note = importer.left_out_note(Path(_FROM.value), cfg.model.mtp_layers)
-    if note:
-      print(note)
+    for note in (importer.balancing_note(Path(_FROM.value), cfg.model.moe),
+                 importer.left_out_note(Path(_FROM.value), cfg.model.mtp_layers)):
+      if note:
+        print(note)
 
 
 def _check_import_flags() -> None:
@@ -525,6 +555,19 @@ def verify_command(argv: list[str]) -> None:
     sys.exit(1)
 
 
+def plot_command(argv: list[str]) -> None:
+  del argv
+  if not _WORKDIR.value:
+    raise ConfigError("--workdir", "give the workdir of a run: meshtrain plot --workdir runs/tiny")
+  out = plot.draw(_WORKDIR.value, _OUT.value or Path(_WORKDIR.value) / "metrics.png")
+  print(f"plotted {Path(_WORKDIR.value) / 'metrics.jsonl'}: {out}")
+
+
+def config_command(argv: list[str]) -> None:
+  del argv
+  print(usage.config_text(_CONFIG.value))
+
+
 def launch_command(argv: list[str]) -> None:
   command = argv[1:]
   if not command or command[0] not in COMMANDS or command[0] == "launch":
@@ -593,7 +636,7 @@ COMMANDS = {"train": train_command, "plan": plan_command, "schedule": schedule_c
             "launch": launch_command, "prepare": prepare_command,
             "eval": eval_command, "import-hf": import_hf_command,
             "export-hf": export_hf_command, "generate": generate_command,
-            "verify": verify_command}
+            "verify": verify_command, "plot": plot_command, "config": config_command}
 # Commands that take positional arguments: launch's command after --, prepare's inputs.
 POSITIONAL_ARGS = (launch_command, prepare_command)
 # The flags of this module each command reads; a flag it does not read is an error, not a no-op.
@@ -612,6 +655,8 @@ FLAGS_READ = {
                        "temperature", "top_k", "top_p", "seed", "json"),
     verify_command: ("config", "config.", "verify_steps"),
     launch_command: ("num_processes", "devices_per_process", "max_restarts"),
+    plot_command: ("workdir", "out"),
+    config_command: ("config", "config."),
 }
 OWN_FLAGS = [name for name, holder in list(globals().items())
              if name.startswith("_") and isinstance(holder, flags.FlagHolder)]
@@ -629,7 +674,7 @@ def _check_flags_read(command, argv: list[str]) -> None:
   for flag in given:
     if flag not in read and not (flag.startswith("config.") and "config." in read):
       where = ("it reads the run's saved config; change its keys with --config.KEY=VALUE"
-               if flag == "config" and "config." in read else f"see `meshtrain {name} --helpfull`")
+               if flag == "config" and "config." in read else f"see `meshtrain {name} --help`")
       raise ConfigError(f"--{flag}", f"is not read by `meshtrain {name}`, so it would do "
                         f"nothing; remove it ({where})")
 
@@ -720,13 +765,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(error)
 
 
+def _help(argv: list[str]) -> None:
+  """`meshtrain`, `meshtrain --help` and `meshtrain help` list the commands;
+  `meshtrain COMMAND --help` (or `help COMMAND`) lists its flags; both exit 0."""
+  own = argv[:argv.index("--")] if "--" in argv else argv  # after --: launch's command
+  if own[:1] == ["help"] and own[1:2] and own[1] in COMMANDS:
+    own = [own[1], "--help"]
+  if not own or own[0] in ("help", *usage.HELP_FLAGS):
+    print(usage.commands_text())
+    sys.exit(0)
+  if own[0] in COMMANDS and any(arg in usage.HELP_FLAGS for arg in own[1:]):
+    print(usage.command_text(own[0], FLAGS_READ[COMMANDS[own[0]]]))
+    sys.exit(0)
+
+
 def run(argv: list[str] | None = None) -> None:
   """The `meshtrain` console script; `argv` (default sys.argv[1:]) starts with the command."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  if not argv or argv[0] not in COMMANDS:
-    given = f"{argv[0]!r} is not a command" if argv else "no command given"
-    _fail(ConfigError("command", f"{given}; use meshtrain {{{'|'.join(COMMANDS)}}} [--flags] "
-                      "(--helpfull for flags)"))
+  _help(argv)
+  if argv[0] not in COMMANDS:
+    _fail(ConfigError("command", f"{argv[0]!r} is not a command; use meshtrain "
+                      f"{{{'|'.join(COMMANDS)}}} [--flags] (`meshtrain help` lists them)"))
   _GIVEN_ARGV[:] = argv
   argv = flag_parsing.with_config(argv, meshtrain.config.__file__)
   app.run(_guarded(COMMANDS[argv[0]]), argv=[f"meshtrain {argv[0]}", *argv[1:]],

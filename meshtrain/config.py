@@ -7,14 +7,17 @@ keys. One comment per field says what it does.
 
 import importlib.util
 import pathlib
+import re
 
 import ml_collections
+
+DEFAULT_WORKDIR = "runs/default"
 
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0                    # parameter init and data order
-  c.workdir = "runs/default"    # metrics.jsonl, TensorBoard events, config.json
+  c.workdir = DEFAULT_WORKDIR   # checkpoints, metrics.jsonl, TensorBoard events, config.json (a configs/ file's default: runs/<file>[_<arg>])
   c.steps = 200                 # optimizer steps to run
   c.global_batch = 16           # sequences per optimizer step, over all devices
   c.seq_len = 128               # tokens per sequence
@@ -46,6 +49,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.timeout_s = 120           # joining, and noticing a lost peer (its heartbeats stop): exit 4
   c.distributed.step_timeout_s = 300      # several processes: a step, save or evaluation running longer is a hang: exit 4, stacks in the workdir (0: off)
   c.distributed.compile_timeout_s = 1800  # the same for what compiles: setting up, the first step, the first evaluation
+  c.distributed.save_timeout_s = 3600     # the same for a save that waits for the disk: the last one, a preemption's (0: no limit)
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256      # byte-level tokenizer
@@ -144,7 +148,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"   # synthetic | text | tokens (a `meshtrain prepare` directory)
   c.data.path = ""              # UTF-8 text file for source=text, prepared directory for source=tokens
-  c.data.packing = "concat"     # concat: attend across documents | segments: only inside one (segment_ids, positions)
+  c.data.packing = "auto"       # auto: segments for a corpus with a loss mask (chat), else concat | concat: attend across documents | segments: only inside one
   c.init_from = ""              # "" random init, or "hf:DIR" a Hugging Face Llama's weights (meshtrain/hf)
   c.tokenizer = ""              # text <-> ids for samples and exports: "" the data's (text: bytes), or a spec (data/tokenizer.py)
 
@@ -161,3 +165,11 @@ def load(path, *args) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(*args)
+
+
+def preset_workdir(config_arg: str) -> str:
+  """The workdir of a run of the config file `config_arg` (`configs/tp.py:tiny`)
+  that sets none: `runs/tp_tiny`, so that presets never share one."""
+  path, _, arg = config_arg.partition(":")
+  name = "_".join(filter(None, (pathlib.Path(path).stem, re.sub(r"\W+", "_", arg).strip("_"))))
+  return f"runs/{name}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from absl import flags
 
-from meshtrain import validate
+from meshtrain import config as meshtrain_config, validate
 from meshtrain.errors import ConfigError
 
 
@@ -30,9 +30,21 @@ def parse(argv: list[str], config_flag, override_argv: list[str]) -> list[str]:
     flags.FLAGS.unparse_flags()
     args = flags.FLAGS(argv)
     config_flag.value.keys()  # ml_collections reports a config file that failed to load here
-    return args
   except Exception as error:  # noqa: BLE001 - any parse failure is the user's input
     raise _flag_error(own, error) from None
+  _own_workdir(config_flag)
+  return args
+
+
+def _own_workdir(config_flag) -> None:
+  """A config file that sets no workdir, given none by a flag, gets its own
+  (`config.preset_workdir`): runs of two presets never meet in runs/default."""
+  cfg, filename = config_flag.value, flags.FLAGS[config_flag.name].config_filename
+  given = "config.workdir" in flags.FLAGS and flags.FLAGS["config.workdir"].present
+  default_file = (Path(filename.partition(":")[0]).resolve() ==
+                  Path(meshtrain_config.__file__).resolve())
+  if cfg.workdir == meshtrain_config.DEFAULT_WORKDIR and not given and not default_file:
+    cfg.workdir = meshtrain_config.preset_workdir(filename)
 
 
 def with_config(argv: list[str], default_file: str) -> list[str]:
@@ -48,7 +60,7 @@ def _flag_error(argv: list[str], error: Exception) -> ConfigError:
   message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   if isinstance(error, flags.UnrecognizedFlagError):
     return ConfigError(f"--{error.flagname}", f"is not a flag of this command ({message}); "
-                       "see --helpfull")
+                       "see `meshtrain COMMAND --help`")
   bad_value = re.match(r"flag --([\w.]+)=(.*?): (.*)", message)
   if bad_value and bad_value.group(1) != "config":
     name, value, reason = bad_value.groups()

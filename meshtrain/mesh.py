@@ -39,6 +39,8 @@ def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
                       f"fills the remaining devices; give {fill[0]} its size (e.g. 2), and "
                       "data or fsdp -1 to fill the rest")
   fixed = math.prod(size for size in sizes.values() if size != -1)
+  if fixed > num_devices:
+    _too_few_devices(sizes, fixed, num_devices)
   if fill:
     if num_devices % fixed:
       raise ConfigError(
@@ -53,6 +55,23 @@ def axis_sizes(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
         f"{shape} makes {fixed} devices but {num_devices} are available; "
         "set the sizes to multiply to the device count or set one axis to -1")
   return sizes
+
+
+# What each axis does, for the message of a mesh larger than the devices.
+_AXIS_ROLES = {"pipeline": "the pipeline", "tensor": "tensor parallelism",
+               "sequence": "context parallelism", "fsdp": "FSDP", "data": "data parallelism"}
+
+
+def _too_few_devices(sizes: Mapping[str, int], fixed: int, num_devices: int) -> None:
+  """The axes given sizes need more devices than there are: names the largest
+  (the pipeline first among equals) and the fix, simulated CPU devices."""
+  axis = max((a for a in _AXIS_ROLES if sizes[a] > 1), key=lambda a: sizes[a])
+  shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
+  simulated = math.lcm(fixed, 8) if fixed <= 8 else fixed
+  raise ConfigError(
+      f"config.mesh.{axis}", f"{_AXIS_ROLES[axis]} needs {fixed} devices ({shape}), "
+      f"{num_devices} found: add --config.simulate_devices={simulated} to run on simulated CPU "
+      f"devices, or make config.mesh.{axis} smaller")
 
 
 def host_split(sizes: Mapping[str, int], across_hosts: Sequence[str],

@@ -135,6 +135,7 @@ RULES: dict[str, Rule] = {
     "data.source": one_of(SOURCES),
     "distributed.step_timeout_s": at_least(0),
     "distributed.compile_timeout_s": at_least(0),
+    "distributed.save_timeout_s": at_least(0),
 }
 
 # key -> (does another key's value make it do nothing?, why, and the fix).
@@ -150,7 +151,7 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
     **{f"distributed.{name}": (lambda c, sizes: c.distributed.num_processes == 1,
                                "a job of one process has no peers to wait for; it is used only "
                                "with distributed.num_processes > 1 (or 0)")
-       for name in ("step_timeout_s", "compile_timeout_s")},
+       for name in ("step_timeout_s", "compile_timeout_s", "save_timeout_s")},
     "attention.sequence_strategy": (lambda c, sizes: sizes and sizes["sequence"] == 1,
                                     "mesh.sequence is 1, so no sequence strategy runs; "
                                     "set config.mesh.sequence > 1"),

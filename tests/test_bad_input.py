@@ -388,8 +388,8 @@ DATA_FILES = {
 
 def test_readme_gives_the_number_of_cases():
   said = re.search(r"`tests/test_bad_input\.py`\s+runs\s+(\d+)\s+such\s+cases",
-                   (REPO / "README.md").read_text())
-  assert said, "README.md no longer says how many cases tests/test_bad_input.py runs"
+                   (REPO / "docs/bad_input.md").read_text())
+  assert said, "docs/bad_input.md no longer says how many cases tests/test_bad_input.py runs"
   assert int(said[1]) == len(CASES)
 
 

@@ -493,3 +493,26 @@ def test_cli_reports_a_refusing_template_on_one_line_and_writes_nothing(chat_inp
       "refuses the conversation (System role not supported); fix the conversation or use a "
       "template that handles it"]
   assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_corpus_with_a_loss_mask_keeps_conversations_apart_by_default(prepared, tmp_path):
+  """The default packing ("auto") of a chat corpus is `segments`: a
+  conversation does not attend to the one before it; a text corpus stays
+  `concat`. The run's config holds the choice."""
+  from meshtrain.config import get_config
+  from meshtrain.train.setup import with_packing
+  _, out, meta = prepared
+  cfg = get_config()
+  cfg.data.update(source="tokens", path=str(out))
+  assert cfg.data.packing == "auto" and with_packing(cfg).data.packing == "segments"
+  batch = next(make_iterator(cfg.data, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
+                             vocab_size=meta["vocab_size"], seed=0))
+  assert batch.keys() == {"inputs", "targets", "loss_mask", "segment_ids", "positions"}
+  text = tmp_path / "a.txt"
+  text.write_text("plain text, no conversation " * 40)
+  p.prepare([str(text)], "bytes", str(tmp_path / "text"))
+  cfg.data.path = str(tmp_path / "text")
+  assert with_packing(cfg).data.packing == "concat"
+  batch = next(make_iterator(cfg.data, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
+                             vocab_size=256, seed=0))
+  assert batch.keys() == {"inputs", "targets"}

@@ -29,6 +29,25 @@ def test_impossible_meshes_name_the_key(mesh, key, words):
   assert error.value.key == key
 
 
+@pytest.mark.parametrize("preset, devices, key, needed, simulated", [
+    ("pp_1f1b.py", 1, "config.mesh.pipeline", "the pipeline needs 2 devices", 8),
+    ("megatron_3d.py", 2, "config.mesh.pipeline", "the pipeline needs 4 devices", 8),
+    ("tp.py", 1, "config.mesh.tensor", "tensor parallelism needs 2 devices", 8),
+])
+def test_a_mesh_larger_than_the_devices_names_its_axis_and_the_fix(preset, devices, key, needed,
+                                                                   simulated):
+  """A preset run on too few devices (one CPU device, say) is told to simulate more."""
+  from conftest import REPO
+  from meshtrain import config, validate
+  cfg = config.load(REPO / "configs" / preset, "tiny")
+  with pytest.raises(ConfigError, match=f"{needed} .*, {devices} found: add "
+                     f"--config.simulate_devices={simulated} ") as error:
+    validate.check_devices(cfg, devices)
+  assert error.value.key == key
+  cfg.simulate_devices = simulated
+  validate.check_devices(cfg, simulated)  # the fix it names runs
+
+
 def test_tensor_is_innermost_and_data_outermost():
   mesh = make_mesh(sizes(data=2, fsdp=2, tensor=2))
   assert mesh.axis_names == AXES

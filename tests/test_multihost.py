@@ -5,6 +5,8 @@ process of 8 devices.
 """
 
 import json
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -94,6 +96,34 @@ def test_when_one_process_dies_the_other_exits_with_a_clear_error(tmp_path):
       stderr[-3000:]
   assert not any(message in stderr for message in PEER_LOST + ("Traceback", "Terminating")), \
       stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_stops_both_at_the_same_step_between_logging_steps(tmp_path):
+  """Only process 1 gets the signal; they agree through the key-value store
+  within three steps, not at the next logging step (1000 steps on), and save
+  there together."""
+  port = free_port()
+  processes = [subprocess.Popen(
+      [sys.executable, "-m", "meshtrain.cli", "train", f"--config.workdir={tmp_path}",
+       *micro_flags(**{**CHANGES, "steps": 10_000, "checkpoint.every_steps": 0}),
+       "--config.log_every=1000", "--config.simulate_devices=4",
+       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for i in range(2)]
+  deadline = time.monotonic() + 300
+  metrics = tmp_path / "metrics.jsonl"
+  while not metrics.exists() or not metrics.read_text().strip():  # step 1 logged: compiled
+    assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+    time.sleep(0.1)
+  time.sleep(2)
+  processes[1].send_signal(signal.SIGTERM)
+  outputs = [p.communicate(timeout=120) for p in processes]
+  assert [p.returncode for p in processes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+  stopped = re.search(r"SIGTERM \(another process\): stopped after step (\d+)", outputs[0][0])
+  assert stopped, outputs[0][0][-2000:]
+  step = int(stopped.group(1))
+  assert step % 1000 and [p.name for p in (tmp_path / "checkpoints").iterdir()] == [str(step)]
 
 
 # A process of a job that only joins it and waits (JAX's heartbeats, no watchdog).

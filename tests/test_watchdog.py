@@ -244,3 +244,38 @@ def test_the_coordination_service_serves_from_a_child_process():
     t.join()
   service.shutdown()
   assert service._process.returncode == 0
+
+
+def test_a_save_that_waits_for_the_disk_gets_the_save_timeout(tmp_path):
+  watchdog, codes, out = dog(tmp_path, step_timeout_s=0.3, save_timeout_s=30)
+  watchdog.start()
+  with watchdog.phase("saving the last checkpoints", 5, watchdog.allowance(saves=True)):
+    time.sleep(0.8)  # a large checkpoint on slow storage
+  assert codes == []
+  watchdog.expect("step 6", 6)
+  wait_for(codes)
+  watchdog.close()
+  assert codes == [EXIT_CODE] and "step 6 did not finish in 0.3 s" in out.getvalue()
+  assert dog(tmp_path, step_timeout_s=0.3)[0].allowance(saves=True) == float("inf")  # 0: no limit
+
+
+def test_the_last_save_of_a_run_is_bounded_by_the_save_timeout_not_the_step_timeout(
+    tmp_path, monkeypatch):
+  """The loop gives its final save (orbax waiting for the disk) the save
+  timeout: a save slower than a step timeout is no hang."""
+  from meshtrain.checkpoint import Checkpoints
+  from meshtrain.train import loop
+  watchdog, codes, out = dog(tmp_path, step_timeout_s=1.5, compile_timeout_s=120,
+                             save_timeout_s=60)
+  monkeypatch.setattr(loop, "watchdog_for", lambda *args: watchdog.start())
+  close = Checkpoints.close
+
+  def slow_close(self):
+    time.sleep(3)  # slow storage
+    close(self)
+  monkeypatch.setattr(Checkpoints, "close", slow_close)
+  records = loop.train(micro_config(workdir=str(tmp_path / "run"), steps=3,
+                                    **{"checkpoint.every_steps": 0}))
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert codes == [] and out.getvalue() == "", out.getvalue()
+  assert newest_checkpoint(tmp_path / "run") == 3

@@ -16,7 +16,9 @@ up to milliseconds per row on datasets of fewer than a few thousand windows.
 
 Packing (`config.data.packing`): windows are cut from documents joined with
 their EOS. "concat" lets attention run across document boundaries (GPT);
-"segments" adds `segment_ids` and `positions` to each batch (int32, like
+"auto" (the default) is "segments" for a corpus with a loss mask (a
+conversation must not attend to the one before it) and "concat" otherwise
+(`packing`); "segments" adds `segment_ids` and `positions` to each batch (int32, like
 `inputs`) so the model attends only inside a document and restarts positions
 at each one (MaxText, Levanter). The synthetic task counts each window as one
 document, a text file as one.
@@ -29,7 +31,9 @@ target counts.
 """
 
 import functools
+import json
 import sys
+from pathlib import Path
 from typing import Any, Protocol
 
 import grain
@@ -41,6 +45,7 @@ from meshtrain.data.synthetic import (
     synthetic_loss_floor,
 )
 from meshtrain.data.text import BYTE_VOCAB_SIZE, text_windows
+from meshtrain.data import tokenizer as tk
 from meshtrain.data.tokens import SPLITS, PreparedCorpus
 from meshtrain.errors import ConfigError
 
@@ -53,7 +58,22 @@ __all__ = [
 ]
 
 SOURCES = ("synthetic", "text", "tokens")
-PACKING = ("concat", "segments")
+PACKING = ("auto", "concat", "segments")
+
+
+def packing(data_cfg: Any) -> str:
+  """`data_cfg.packing` as a run uses it: "auto" is "segments" for a prepared
+  corpus whose meta.json says it carries a loss mask, else "concat"."""
+  chosen = getattr(data_cfg, "packing", "auto")
+  if chosen != "auto":
+    return chosen
+  if data_cfg.source != "tokens" or not data_cfg.path:
+    return "concat"
+  try:
+    masked = json.loads((Path(data_cfg.path) / tk.META_FILE).read_text()).get("loss_mask")
+  except (OSError, ValueError, AttributeError):  # reading the corpus reports it
+    masked = False
+  return "segments" if masked is True else "concat"
 
 # Elements are whole per-process batches: a few in flight hide their cost
 # behind the training step without holding much memory.
@@ -101,9 +121,10 @@ def make_iterator(
     raise ValueError(f"rows {rows} are not inside a batch of {global_batch}")
   if seed < 0:
     raise ConfigError("config.seed", f"is {seed}; use a non-negative integer")
-  packing = getattr(data_cfg, "packing", "concat")
-  if packing not in PACKING:
-    raise ConfigError("config.data.packing", f"{packing!r} is not one of {', '.join(PACKING)}")
+  if getattr(data_cfg, "packing", "auto") not in PACKING:
+    raise ConfigError("config.data.packing", f"{data_cfg.packing!r} is not one of "
+                      f"{', '.join(PACKING)}")
+  packed = packing(data_cfg) == "segments"
   windows = _windows(data_cfg, seq_len=seq_len, vocab_size=vocab_size, split=split)
   shuffle = _EpochShuffle(windows.num_windows, seed)
   rows_in_batch = np.arange(rows.start, rows.stop)
@@ -114,7 +135,7 @@ def make_iterator(
     loss_mask = windows.loss_mask(ids)
     if loss_mask is not None:
       batch["loss_mask"] = loss_mask
-    if packing == "segments":
+    if packed:
       batch["segment_ids"], batch["positions"] = windows.segments(ids)
     return batch
 

@@ -27,10 +27,13 @@ line naming the key, before anything is written. Reads both spellings of RoPE
 settings: `rope_theta` + `rope_scaling` (transformers 4) and `rope_parameters`
 (transformers 5); writes the first, which both versions load.
 
-The switch loss's coefficient is a training choice, not the model's shape:
-import leaves `model.moe.aux_loss_coef` as configured (transformers'
-`router_aux_loss_coef` is k times meshtrain's, docs/moe.md). So is training
-DeepSeek-V3's multi-token prediction modules: `model.mtp_layers` stays as
+An MoE checkpoint's load balancing (`balancing`) is how it was trained, not its
+shape: an import takes it where the config holds meshtrain's defaults
+(transformers' `router_aux_loss_coef` times k, as Hugging Face's loss is k
+times meshtrain's, docs/moe.md; DeepSeek's `aux_loss_alpha`; DeepSeek-V3's
+selection-bias step, which its config does not hold, from its report), and
+says so in a note. Training DeepSeek-V3's multi-token prediction modules is a
+choice too: `model.mtp_layers` stays as
 configured, up to the number the checkpoint holds (`mtp_layers`), and the
 export writes it as `num_nextn_predict_layers`.
 """
@@ -200,6 +203,47 @@ def model_keys(hf: dict) -> dict:
                        expert_groups=groups, groups_per_token=hf["topk_group"] if groups > 1 else 0,
                        **({"group_scored_by": 1 if v2 else 2} if groups > 1 else {}))
   return keys
+
+
+# DeepSeek-V3's report: the selection bias moves by 1e-3 a step (gamma), and
+# its sequence-wise balance loss weighs 1e-4 (alpha) where the config names none.
+DEEPSEEK_V3_BIAS_RATE, DEEPSEEK_V3_ALPHA = 1e-3, 1e-4
+_MOE_DEFAULTS = get_config().model.moe
+
+
+def balancing(hf: dict) -> dict[str, tuple[float, str]]:
+  """The checkpoint's load balancing as `model.moe` keys: key -> (value, where
+  it comes from); {} for a dense model."""
+  family = hf["model_type"]
+  if family in ("mixtral", "qwen3_moe", "qwen2_moe") and "router_aux_loss_coef" in hf:
+    coef, k = float(hf["router_aux_loss_coef"]), hf["num_experts_per_tok"]
+    return {"aux_loss_coef": (coef * k, f"router_aux_loss_coef {coef:g} x k={k}")}
+  if family not in DEEPSEEK:
+    return {}
+  keys = {}
+  if hf.get("aux_loss_alpha") is not None:
+    keys["aux_loss_coef"] = (float(hf["aux_loss_alpha"]), "aux_loss_alpha")
+  if family == "deepseek_v3":
+    keys.setdefault("aux_loss_coef", (DEEPSEEK_V3_ALPHA, "DeepSeek-V3's report"))
+    keys["bias_update_rate"] = (DEEPSEEK_V3_BIAS_RATE, "DeepSeek-V3's report")
+  return keys
+
+
+def apply_balancing(hf: dict, moe) -> str | None:
+  """Sets `moe`'s balancing keys to the checkpoint's where they hold meshtrain's
+  defaults (a value given otherwise stays); returns a note of what the run
+  uses, or None for a checkpoint that sets nothing."""
+  settings = balancing(hf)
+  if not settings:
+    return None
+  parts = []
+  for key, (value, source) in settings.items():
+    if moe[key] == _MOE_DEFAULTS[key]:
+      moe[key] = value
+    kept = "" if moe[key] == value else f", the config's own; the checkpoint's is {value:g}"
+    parts.append(f"model.moe.{key}={moe[key]:g} ({source}{kept})")
+  return (f"note: MoE load balancing as the checkpoint was trained: {', '.join(parts)}; "
+          "give --config.model.moe.* to change it")
 
 
 def mtp_layers(hf: dict) -> int:

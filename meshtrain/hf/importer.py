@@ -36,6 +36,7 @@ def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
   saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
   try:
     cfg.model.update(hf_config.model_keys(hf))
+    hf_config.apply_balancing(hf, cfg.model.moe)
     validate.check_values(cfg)
   except (ConfigError, TypeError) as error:  # TypeError: a value of the wrong type
     raise ConfigError("--from", f"{source / hf_config.CONFIG_FILE} does not make a model "
@@ -57,6 +58,13 @@ def write_files(cfg, hf: dict, source: Path, workdir: Path, has_tokenizer: bool)
   for name in TOKENIZER_FILES if has_tokenizer else ():
     if (source / name).is_file():
       shutil.copyfile(source / name, workdir / name)
+
+
+def balancing_note(source: Path, moe) -> str | None:
+  """The note of the MoE balancing a run of `source`'s weights uses (`moe`, its
+  `config.model.moe`, which `prepare` or the config file set); None for a
+  dense model."""
+  return hf_config.apply_balancing(hf_config.read(source, key="--from"), moe)
 
 
 def left_out_note(source: Path, mtp_layers: int = 0) -> str | None:

@@ -26,7 +26,7 @@ from meshtrain.train.parallelize import from_stage_slots, model_config
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.setup import padded_vocab as rounded_vocab
+from meshtrain.train.setup import padded_vocab as rounded_vocab, with_packing
 from meshtrain.train.watchdog import watchdog_for
 
 
@@ -64,6 +64,15 @@ def padded_vocab(cfg):
   return padded
 
 
+def packed(cfg):
+  """`meshtrain.train.setup.with_packing`, printed where "auto" chose segments."""
+  resolved = with_packing(cfg)
+  if resolved is not cfg and resolved.data.packing == "segments" and jax.process_index() == 0:
+    print("data.packing auto -> segments: the corpus carries a loss mask, so each document "
+          "(conversation) attends only to itself", flush=True)
+  return resolved
+
+
 def _announce(cfg, setup: Setup, workdir: Path, origin: str, start: int, rows: range) -> None:
   """The run's config into the workdir, and what runs where on the terminal."""
   if jax.process_count() > 1:
@@ -86,7 +95,7 @@ def _halt(cfg, state, checkpoints, batches) -> None:
 
 
 def _stop_preempted(cfg, state, checkpoints, batches, step: int, why: str, watchdog) -> None:
-  with watchdog.phase(f"saving checkpoint {step}", step):
+  with watchdog.phase(f"saving checkpoint {step}", step, watchdog.allowance(saves=True)):
     checkpoints.save(step, state, batches, cfg)
     checkpoints.wait()
   if jax.process_index() == 0:
@@ -118,7 +127,7 @@ def train(cfg) -> list[dict]:
 
 
 def _train(cfg, watchdog) -> list[dict]:
-  cfg = padded_vocab(cfg)
+  cfg = packed(padded_vocab(cfg))
   setup = build(cfg)
   check_fits(setup)
   evaluator = evaluator_for(cfg, setup)
@@ -130,6 +139,9 @@ def _train(cfg, watchdog) -> list[dict]:
   workdir = Path(cfg.workdir)
   state, checkpoints, origin = start_state(cfg, setup, batches)
   first = int(state.step) + 1
+  if first > cfg.steps:  # this config's run, finished (start_state refuses another's)
+    checkpoints.close()
+    return []
   workdir.mkdir(parents=True, exist_ok=True)
   _announce(cfg, setup, workdir, origin, first - 1, rows)
   throughput = Throughput(first, cfg.global_batch * cfg.seq_len,
@@ -141,7 +153,8 @@ def _train(cfg, watchdog) -> list[dict]:
              disable=jax.process_index() != 0)
   watchdog.expect(f"step {first}", first, watchdog.allowance(compiles=True))
   try:
-    with PreemptionRequest() as preemption:
+    with PreemptionRequest(distributed.client(), jax.process_index(), jax.process_count(),
+                           lockstep=watchdog.deadlines) as preemption:
       for step in range(first, cfg.steps + 1):
         watchdog.inject_fault(step)
         state, metrics = setup.train_step(state, to_global(next(batches), sharding, batch_shape))
@@ -154,7 +167,7 @@ def _train(cfg, watchdog) -> list[dict]:
           watchdog.inject_fault(step, "save")
         evaluating = evaluator is not None and evaluator.due(step)
         logging = not step % cfg.log_every or step in (first, cfg.steps) or evaluating
-        preempted = preemption.agreed() if logging or jax.process_count() == 1 else None
+        preempted = preemption.agreed(step, logging)
         if not (logging or preempted):
           continue
         record = {"step": step, **{k: v.item() for k, v in jax.device_get(metrics).items()},
@@ -174,13 +187,14 @@ def _train(cfg, watchdog) -> list[dict]:
         if preempted:
           _stop_preempted(cfg, state, checkpoints, batches, step, preempted, watchdog)
           return records
-      with watchdog.phase(f"saving checkpoint {int(state.step)}", int(state.step)):
+      with watchdog.phase(f"saving checkpoint {int(state.step)}", int(state.step),
+                          watchdog.allowance(saves=True)):
         checkpoints.save(int(state.step), state, batches, cfg)
   finally:
     bar.close()
     try:
       writer.close()  # a full disk fails here too: the saves in flight still finish
     finally:
-      with watchdog.phase("saving the last checkpoints", cfg.steps):
+      with watchdog.phase("saving the last checkpoints", cfg.steps, watchdog.allowance(saves=True)):
         checkpoints.close()  # waits for the saves in flight
   return records

@@ -36,17 +36,23 @@ class MetricsWriter:
       self._tensorboard.close()
 
 
-def _records_up_to(path: Path, step: int) -> list[str]:
-  """The lines of `path` up to `step`; a line cut short by a kill mid-write is dropped."""
+def records(path: Path) -> list[tuple[str, dict]]:
+  """(line, record) for each record of a `metrics.jsonl`; a line cut short by
+  a kill mid-write is dropped."""
   kept = []
   for line in path.read_text(errors="replace").splitlines():
     try:
       record = json.loads(line)
     except json.JSONDecodeError:
       continue
-    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-      kept.append(line)
+    if isinstance(record, dict) and isinstance(record.get("step"), int):
+      kept.append((line, record))
   return kept
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+  """The lines of `path` up to `step` (`records`)."""
+  return [line for line, record in records(path) if record["step"] <= step]
 
 
 class Throughput:

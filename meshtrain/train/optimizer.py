@@ -2,6 +2,7 @@
 and global-norm clipping: AdamW (default), SGD, Lion or Adafactor."""
 
 import jax
+import ml_collections
 import optax
 
 from meshtrain.errors import ConfigError
@@ -16,6 +17,28 @@ def learning_rate_schedule(opt_cfg, total_steps: int) -> optax.Schedule:
       init_value=0.0, peak_value=opt_cfg.learning_rate, warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1),
       end_value=opt_cfg.learning_rate * opt_cfg.min_lr_ratio)
+
+
+SCHEDULE_KEYS = ("learning_rate", "warmup_steps", "min_lr_ratio")
+
+
+def schedule_change(saved: dict, cfg, done: int) -> str | None:
+  """What a resume after step `done` does to the learning rate when `steps` or
+  the schedule's keys differ from the checkpoint's config `saved`: the
+  schedule is rebuilt for the new values (a longer run stretches the warmup
+  and cosine decay, so the rate jumps), and the note says by how much."""
+  old_opt = ml_collections.ConfigDict(saved.get("optimizer", {}))
+  changes = [f"steps {saved['steps']} -> {cfg.steps}"] if saved.get("steps") != cfg.steps else []
+  changes += [f"optimizer.{key} {old_opt[key]} -> {cfg.optimizer[key]}" for key in SCHEDULE_KEYS
+              if key in old_opt and old_opt[key] != cfg.optimizer[key]]
+  if not changes or "steps" not in saved or any(k not in old_opt for k in SCHEDULE_KEYS):
+    return None
+  old = learning_rate_schedule(old_opt, saved["steps"])
+  new = learning_rate_schedule(cfg.optimizer, cfg.steps)
+  return (f"note: {', '.join(changes)}: the learning-rate schedule (warmup, then cosine decay to "
+          f"the end) is now the one of {cfg.steps} steps: step {done + 1} runs at "
+          f"{float(new(done)):.3g} where the checkpoint's schedule gives {float(old(done)):.3g} "
+          f"(step {done} ran at {float(old(max(done - 1, 0))):.3g})")
 
 
 def decay_mask(params):

@@ -15,10 +15,11 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
 from meshtrain.hf.load import check_model, load_model_state, load_params
 from meshtrain.parallel.pipeline.stages import StageLayout
+from meshtrain.train.optimizer import schedule_change
 from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.relayout import Relayout, saved_layout
-from meshtrain.train.setup import Setup, build
+from meshtrain.train.setup import Setup, build, with_packing
 from meshtrain.train.state import TrainState
 
 
@@ -54,12 +55,17 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
       return init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
     if step is None:
       return setup.init_state(), own or _own(cfg), "initialized"
+    if source is own and step >= cfg.steps:
+      _check_same_run(own, step, cfg)
     if source is own and not cfg.checkpoint.allow_changes:
       _check_unchanged(own, step, cfg)
     relayout = Relayout(saved_layout(source.saved_config(step)), stage_layout(cfg))
     abstract, shardings = relayout.as_saved(setup.abstract_state(), setup.shardings)
     state = relayout.moved(source.restore(step, shardings, abstract, batches, cfg),
                            setup.shardings)
+    note = schedule_change(own.saved_config(step), cfg, step) if source is own else None
+    if note and jax.process_index() == 0:
+      print(note, flush=True)
   except Exception:
     for checkpoints in {own, source} - {None}:
       checkpoints.close()
@@ -77,14 +83,33 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
 RESUME_KEYS = ("seed", "global_batch", "seq_len", "data", "tokenizer", "model")
 
 
-def resume_changes(saved: dict, cfg) -> list[str]:
-  """`key before -> after` for each RESUME_KEYS setting that differs from the
-  checkpoint's config (keys the checkpoint predates are not compared)."""
+def resume_changes(saved: dict, cfg, keys=RESUME_KEYS) -> list[str]:
+  """`key before -> after` for each setting under `keys` (top-level keys) that
+  differs from the checkpoint's config (keys the checkpoint predates are not
+  compared)."""
   current = json.loads(json.dumps(cfg.to_dict()))  # as saved: tuples become lists
-  before, after = (_flat({k: config[k] for k in RESUME_KEYS if k in saved and k in current})
+  before, after = (_flat({k: config[k] for k in keys if k in saved and k in current})
                    for config in (saved, current))
   return [f"{key} {before[key]!r} -> {after.get(key)!r}" for key in before
           if before[key] != after.get(key)]
+
+
+# What a finished run may differ in from the config that finds it: the steps
+# it ran to, where it lies (a copied workdir) and how its devices were set up.
+SAME_RUN_IGNORES = ("steps", "workdir", "distributed", "simulate_devices")
+
+
+def _check_same_run(own: Checkpoints, step: int, cfg) -> None:
+  """A workdir already at `config.steps` holds nothing to do for its own
+  config, and another config's finished run (two presets sharing one
+  workdir) is an error rather than a silent exit 0."""
+  saved = own.saved_config(step)
+  changes = resume_changes(saved, cfg, [k for k in saved if k not in SAME_RUN_IGNORES])
+  if changes:
+    shown = ", ".join(changes[:6]) + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
+    raise ConfigError("config.workdir", f"{own.directory.parent} holds a finished run (step "
+                      f"{step}) of another config ({shown}); give this run its own "
+                      "--config.workdir, or remove that directory to start over")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -140,6 +165,9 @@ def init_from(cfg, setup: Setup) -> TrainState:
                       "directory)")
   directory = cfg.init_from[len(importer.PREFIX):]
   check_model(directory, cfg.model, key=key)
+  note = importer.balancing_note(Path(directory), cfg.model.moe)
+  if note and jax.process_index() == 0:
+    print(note, flush=True)
   return initial_state(setup, directory, key=key)
 
 
@@ -149,6 +177,7 @@ def import_hf(cfg, source, workdir) -> Path:
   (`meshtrain.hf.importer`) and a step-0 checkpoint."""
   source, workdir = Path(source), Path(workdir).absolute()
   hf, has_tokenizer = importer.prepare(cfg, source, workdir)
+  cfg = with_packing(cfg)  # saved as a run saves it, so that the run resumes it
   setup = build(cfg)
   state = initial_state(setup, source, key="--from")
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,

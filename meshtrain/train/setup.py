@@ -8,6 +8,7 @@ import optax
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
+from meshtrain.data import PACKING, packing as data_packing
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
 from meshtrain.models import moe as moe_lib
@@ -27,7 +28,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "selective", "offload")
 NAN_POLICIES = ("stop", "skip")
 ATTENTION = ("", "xla", "cudnn")
-PACKING = ("concat", "segments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,17 @@ def padded_vocab(cfg, tensor: int):
     return cfg
   cfg = cfg.copy_and_resolve_references()
   cfg.model.vocab_size = -(-cfg.model.vocab_size // tensor) * tensor
+  return cfg
+
+
+def with_packing(cfg):
+  """The config with `data.packing` "auto" resolved (`meshtrain.data.packing`):
+  "segments" for a corpus with a loss mask, else "concat"."""
+  resolved = data_packing(cfg.data)
+  if resolved == cfg.data.packing:
+    return cfg
+  cfg = cfg.copy_and_resolve_references()
+  cfg.data.packing = resolved
   return cfg
 
 
@@ -281,6 +292,7 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
 
 
 def build(cfg, devices=None) -> Setup:
+  cfg = with_packing(cfg)
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
   validate(cfg, mesh)
   validate_machine(cfg, mesh)

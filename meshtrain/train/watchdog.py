@@ -12,7 +12,9 @@ typically stuck in a collective that will never finish.
   an evaluation still running past it is a hang: a stuck collective, or a peer
   that is stuck while its heartbeats go on. What compiles (setting up, the
   first step and what waits for it, the first evaluation) gets
-  `config.distributed.compile_timeout_s` instead. Every thread's stack goes to
+  `config.distributed.compile_timeout_s` instead, and a save that waits for
+  the disk (the last one, a preemption's) `config.distributed.save_timeout_s`:
+  a large checkpoint on slow storage is no hang. Every thread's stack goes to
   WORKDIR/hang_stacks_processN.txt first.
 
 Either way the process prints one line, `error: distributed: ...; newest
@@ -63,11 +65,12 @@ class Watchdog:
   deadlines. `exit` and `out` are replaceable for tests."""
 
   def __init__(self, workdir, *, step_timeout_s: float = 0, compile_timeout_s: float = 0,
-               peer_timeout_s: float = 0, client=None, process_index: int = 0,
+               save_timeout_s: float = 0, peer_timeout_s: float = 0, client=None, process_index: int = 0,
                num_processes: int = 1, interval_s: float = 1.0, exit=os._exit, out=None):
     self.workdir = Path(workdir)
     self.step_timeout_s = step_timeout_s
     self.compile_timeout_s = max(compile_timeout_s, step_timeout_s)
+    self.save_timeout_s = max(save_timeout_s, step_timeout_s) if save_timeout_s else math.inf
     self.peer_timeout_s, self.client, self.process_index = peer_timeout_s, client, process_index
     self.interval_s, self._exit, self._out = interval_s, exit, out
     self._lock = threading.Lock()
@@ -96,9 +99,13 @@ class Watchdog:
       threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True).start()
     return self
 
-  def allowance(self, compiles: bool = False, kind: str | None = None, scale: float = 1) -> float:
-    """The compile timeout for work that compiles (or waits for a first step
-    that does), and the first time a `kind` runs; else `scale` step timeouts."""
+  def allowance(self, compiles: bool = False, kind: str | None = None, scale: float = 1,
+                saves: bool = False) -> float:
+    """The save timeout for a save that waits for the disk (`saves`); the
+    compile timeout for work that compiles (or waits for a first step that
+    does), and the first time a `kind` runs; else `scale` step timeouts."""
+    if saves:
+      return self.save_timeout_s
     if kind is not None and kind not in self._seen:
       self._seen.add(kind)
       compiles = True
@@ -256,7 +263,8 @@ class Off:
 
   deadlines = False
 
-  def allowance(self, compiles: bool = False, kind: str | None = None, scale: float = 1) -> float:
+  def allowance(self, compiles: bool = False, kind: str | None = None, scale: float = 1,
+                saves: bool = False) -> float:
     return 0
 
   def expect(self, what: str, step: int, seconds: float | None = None) -> None:
@@ -285,7 +293,8 @@ def watchdog_for(cfg, client=None, process_index: int = 0, num_processes: int = 
   if num_processes <= 1:
     return Off()
   return Watchdog(cfg.workdir, step_timeout_s=dist.step_timeout_s,
-                  compile_timeout_s=dist.compile_timeout_s, peer_timeout_s=dist.timeout_s,
+                  compile_timeout_s=dist.compile_timeout_s,
+                  save_timeout_s=dist.save_timeout_s, peer_timeout_s=dist.timeout_s,
                   client=client, process_index=process_index,
                   num_processes=num_processes).start()
 

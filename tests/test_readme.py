@@ -1,0 +1,47 @@
+"""The README's cheap commands (its ```bash blocks) run as written, in the
+order given, on a fresh directory that holds what a clone holds (configs/ and
+the installed .venv; the set-up, GPU and Slurm commands are ```sh blocks,
+shown and not run). `input.txt`, which the README downloads with curl, is
+written here from real English text (`corpus`). Each block must exit 0, each
+on one simulated CPU device as a user's machine has, unless it asks for more."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+README = REPO / "README.md"
+
+
+def bash_blocks(text: str) -> list[str]:
+  return re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+
+
+def test_the_readme_is_a_front_door():
+  text = README.read_text()
+  assert len(text.splitlines()) <= 250
+  blocks = bash_blocks(text)
+  assert blocks[0].startswith(".venv/bin/meshtrain train --config configs/tiny.py")
+  for link in re.findall(r"\]\(((?:docs/)[^)#]+)", text):  # every page and picture it links
+    assert (REPO / link).exists(), link
+  assert "PRESETS_TABLE" not in text  # the presets table is filled in
+
+
+@pytest.mark.slow
+def test_the_readmes_commands_run_in_order_on_a_fresh_directory(tmp_path, real_text):
+  (tmp_path / "configs").symlink_to(REPO / "configs")
+  (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+  (tmp_path / "input.txt").write_bytes(real_text.read_bytes())
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  for block in bash_blocks(README.read_text()):
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{block}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+  assert (tmp_path / "runs/tiny/metrics.png").is_file()
+  assert (tmp_path / "runs/megatron_3d_tiny/checkpoints/20").is_dir()
+  assert (tmp_path / "runs/shakespeare_bpe/checkpoints/100").is_dir()
