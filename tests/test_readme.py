@@ -45,3 +45,11 @@ def test_the_readmes_commands_run_in_order_on_a_fresh_directory(tmp_path, real_t
   assert (tmp_path / "runs/tiny/metrics.png").is_file()
   assert (tmp_path / "runs/megatron_3d_tiny/checkpoints/20").is_dir()
   assert (tmp_path / "runs/shakespeare_bpe/checkpoints/100").is_dir()
+
+
+def test_ci_runs_the_readmes_set_up_and_test_command():
+  """The README's two set-up commands: the main job, then the tests exactly as CI runs them."""
+  setup = re.search(r"^## Set up\n.*?^```sh\n(.*?)^```", README.read_text(), re.M | re.S).group(1)
+  train, tests = setup.strip().splitlines()
+  assert train.endswith(".venv/bin/meshtrain train --config configs/tiny.py")
+  assert (REPO / ".ci/run").read_text().strip().splitlines()[-1] == tests
