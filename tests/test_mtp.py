@@ -100,8 +100,7 @@ MOE = dict(num_experts=8, experts_per_token=2, mlp_dim=32, shared_mlp_dim=32,
 # Pairwise, not a full product: `CASE_PAIRS` (checked below; `python
 # tests/pairs.py` draws the table) names the pairs the cases cover between them.
 CASES = {
-    "fsdp=8 moe, offload params and optimizer": dict(
-        mesh=dict(data=1, fsdp=8), offload=dict(params=True, optimizer=True), model=dict(moe=MOE)),
+    "fsdp=8 moe": dict(mesh=dict(data=1, fsdp=8), model=dict(moe=MOE)),
     "fsdp=8 depth 2 tied packed": dict(mesh=dict(data=1, fsdp=8), packed=True,
                                        model=dict(mtp_layers=2, tie_embeddings=True)),
     "data=8 zero1 accumulate 2 remat=full": dict(mesh=dict(data=8), zero_stage=1,
@@ -124,11 +123,13 @@ CASES = {
         pipeline=dict(schedule="interleaved_1f1b", microbatches=2, virtual_stages=2)),
     "data=2 fsdp=4 accumulate 2 moe": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2,
                                            model=dict(moe=MOE)),
+    "fsdp=8 offload params and optimizer": dict(mesh=dict(data=1, fsdp=8),
+                                                offload=dict(params=True, optimizer=True)),
     "expert_parallel=data,fsdp remat=selective": dict(
         mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp", remat="selective",
         model=dict(moe=MOE)),
 }
-QUICK = ("fsdp=8 moe, offload params and optimizer", "fsdp=8 depth 2 tied packed",
+QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed",
          "sequence=2 fsdp=4 ring packed", "pipeline=2 fsdp=4 1f1b moe")
 
 
