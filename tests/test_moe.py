@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+import pairs
 from conftest import REPO, micro_config, step_collectives, tiered
 from equivalence import assert_matches_one_device, meshtrain_run
 from reference import random_batches
@@ -414,31 +415,31 @@ def assert_split_experts_equal_the_plain_loop(name, gemm="tiled", dispatch="padd
 MOE = {"model.moe.num_experts": 8, "model.moe.experts_per_token": 2, "model.moe.mlp_dim": 32,
        "model.moe.aux_loss_coef": 0.0}  # the switch loss's gradient: tested layer by layer above
 
+# Pairwise, not a full product: each case composes several strategies and
+# features, and `COMPOSITION_PAIRS` (checked below; `python tests/pairs.py`
+# draws the table) names the pairs they must cover between them.
 COMPOSITIONS = {
-    "fsdp=8": dict(mesh=dict(data=1, fsdp=8)),
-    "data=2 fsdp=4": dict(mesh=dict(data=2, fsdp=4)),
-    "expert_parallel=data,fsdp": dict(mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp"),
+    "expert_parallel=data,fsdp accumulate 2": dict(mesh=dict(data=2, fsdp=4),
+                                                   expert_parallel="data,fsdp", grad_accum_steps=2),
+    "data=2 fsdp=4 zero1 accumulate 2": dict(mesh=dict(data=2, fsdp=4), zero_stage=1,
+                                             grad_accum_steps=2),
+    "data=2 fsdp=4 zero2 remat=full": dict(mesh=dict(data=2, fsdp=4), zero_stage=2, remat="full"),
+    "data=2 fsdp=4 zero3 remat=selective": dict(mesh=dict(data=2, fsdp=4), zero_stage=3,
+                                                remat="selective"),
     "tensor=2 fsdp=4": dict(mesh=dict(data=1, fsdp=4, tensor=2)),
-    "tensor=2 fsdp=4 sequence parallel": dict(mesh=dict(data=1, fsdp=4, tensor=2),
-                                              tensor_sequence_parallel=True),
     "tensor=2 fsdp=4 sequence parallel capacity 1.25": dict(
         mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
         model=dict(moe=dict(capacity_factor=1.25))),
-    **{f"sequence=2 fsdp=4 {s}": dict(mesh=dict(data=1, fsdp=4, sequence=2),
-                                      attention=dict(sequence_strategy=s))
-       for s in ("all_gather_kv", "ulysses", "ring")},
+    "sequence=2 fsdp=4 ulysses remat=full": dict(mesh=dict(data=1, fsdp=4, sequence=2),
+                                                 attention=dict(sequence_strategy="ulysses"),
+                                                 remat="full"),
     **{f"sequence=2 fsdp=4 {s} capacity 1": dict(
         mesh=dict(data=1, fsdp=4, sequence=2), attention=dict(sequence_strategy=s),
         model=dict(moe=dict(capacity_factor=1.0))) for s in ("all_gather_kv", "ring")},
-    **{f"data=2 fsdp=4 zero{stage}": dict(mesh=dict(data=2, fsdp=4), zero_stage=stage)
-       for stage in (1, 2, 3)},
-    "data=2 fsdp=4 accumulate 2": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2),
     "data=8 accumulate 2 (experts replicated)": dict(mesh=dict(data=8), grad_accum_steps=2,
                                                      expert_parallel=""),
-    **{f"fsdp=8 remat={remat}": dict(mesh=dict(data=1, fsdp=8), remat=remat)
-       for remat in ("full", "selective")},
     "fsdp=8 ragged_dot grouped GEMM": dict(mesh=dict(data=1, fsdp=8),
-                                      model=dict(moe=dict(grouped_gemm="ragged_dot"))),
+                                           model=dict(moe=dict(grouped_gemm="ragged_dot"))),
     "fsdp=8 shared expert, first layer dense, sigmoid, best 2 of 4 groups": dict(
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
                                                        router="sigmoid", route_scale=2.5,
@@ -448,19 +449,62 @@ COMPOSITIONS = {
     "tensor=2 fsdp=4 sequence parallel, sigmoid switch loss": dict(
         mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
         model=dict(moe=dict(router="sigmoid", aux_loss_coef=1.0))),
-    "fsdp=4 tensor=2 gated shared expert (Qwen2-MoE)": dict(
-        mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True,
+    "fsdp=4 tensor=2 gated shared expert (Qwen2-MoE) remat=selective": dict(
+        mesh=dict(data=1, fsdp=4, tensor=2), tensor_sequence_parallel=True, remat="selective",
         model=dict(moe=dict(shared_mlp_dim=32, shared_gate=True, normalize_top_k=False))),
 }
 
 
-@pytest.mark.parametrize("case", tiered(COMPOSITIONS, ("expert_parallel=data,fsdp",
+# Every pair the compositions covered when each was a case of its own (0e6941b).
+COMPOSITION_PAIRS = pairs.parse("""
+    accumulate: data, experts over fsdp, experts whole, fsdp, moe
+    all_gather_kv: capacity, experts over fsdp, fsdp, moe, sequence
+    capacity: experts over fsdp, fsdp, megatron-sp, moe, ring, sequence, tensor
+    data: experts over data+fsdp, experts over fsdp, experts whole, fsdp, moe, zero1, zero2, zero3
+    experts over data+fsdp: fsdp, moe
+    experts over fsdp: first dense, fsdp, groups, megatron-sp, moe, ragged_dot, remat full, remat selective, ring, sequence, shared expert, shared gate, sigmoid, switch loss, tensor, ulysses, zero1, zero2, zero3
+    experts whole: moe
+    first dense: fsdp, groups, moe, shared expert, sigmoid
+    fsdp: groups, megatron-sp, moe, ragged_dot, remat full, remat selective, ring, sequence, shared expert, shared gate, sigmoid, switch loss, tensor, ulysses, zero1, zero2, zero3
+    groups: moe, shared expert, sigmoid
+    megatron-sp: moe, shared expert, shared gate, sigmoid, switch loss, tensor
+    moe: ragged_dot, remat full, remat selective, ring, sequence, shared expert, shared gate, sigmoid, switch loss, tensor, ulysses, zero1, zero2, zero3
+    ring: sequence
+    sequence: ulysses
+    shared expert: shared gate, sigmoid, tensor
+    shared gate: tensor
+    sigmoid: switch loss, tensor
+    switch loss: tensor
+""")
+
+
+def composed(changes):
+  cfg = micro_config(**MOE)
+  cfg.update(changes)
+  return cfg
+
+
+def composition_labels():
+  return {case: pairs.labels(composed(changes)) for case, changes in COMPOSITIONS.items()}
+
+
+def pipelined_labels():
+  return {case: pairs.labels(composed(changes)) for case, changes in PIPELINED.items()}
+
+
+def test_the_compositions_cover_every_pair_they_must():
+  """Merging or removing a case below must not leave a pair of strategies
+  and features uncomposed (`python tests/pairs.py` draws the tables)."""
+  assert pairs.missing(composition_labels().values(), COMPOSITION_PAIRS) == []
+  assert pairs.missing(pipelined_labels().values(), PIPELINED_PAIRS) == []
+
+
+@pytest.mark.parametrize("case", tiered(COMPOSITIONS, ("expert_parallel=data,fsdp accumulate 2",
                                                        "fsdp=8 ragged_dot grouped GEMM",
                                                        "fsdp=8 shared expert, first layer dense, "
                                                        "sigmoid, best 2 of 4 groups")))
 def test_moe_training_matches_unsharded_plain_jit(case):
-  cfg = micro_config(**MOE)
-  cfg.update(COMPOSITIONS[case])
+  cfg = composed(COMPOSITIONS[case])
   batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
   assert_matches_one_device(cfg, batches)
 
@@ -718,13 +762,12 @@ def test_training_logs_balance_moves_the_bias_and_resumes_bit_exactly(tmp_path):
 
 
 PIPELINED = {
-    f"pipeline=2 fsdp=4 {schedule}": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
-                                          pipeline=dict(schedule=schedule))
-    for schedule in ("1f1b", "zb_h1", "zb_h2", "gpipe")}
-PIPELINED.update({
-    "pipeline=2 fsdp=4 experts whole": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
-                                            expert_parallel=""),
-    "pipeline=2 fsdp=2 tensor=2": dict(mesh=dict(data=1, pipeline=2, fsdp=2, tensor=2)),
+    "pipeline=2 fsdp=4 zb_h1": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
+                                    pipeline=dict(schedule="zb_h1")),
+    "pipeline=2 fsdp=4 gpipe": dict(mesh=dict(data=1, pipeline=2, fsdp=4),
+                                    pipeline=dict(schedule="gpipe")),
+    "pipeline=2 fsdp=2 tensor=2 zb_h2": dict(mesh=dict(data=1, pipeline=2, fsdp=2, tensor=2),
+                                             pipeline=dict(schedule="zb_h2")),
     "pipeline=2 fsdp=2 tensor=2 experts whole": dict(mesh=dict(data=1, pipeline=2, fsdp=2,
                                                                tensor=2), expert_parallel=""),
     "pipeline=2 fsdp=2 sequence=2 ulysses": dict(mesh=dict(data=1, pipeline=2, fsdp=2, sequence=2),
@@ -742,7 +785,28 @@ PIPELINED.update({
     "pipeline=2 fsdp=4 uneven stages, bias balancing, switch loss": dict(
         mesh=dict(data=1, pipeline=2, fsdp=4),
         pipeline=dict(stage_layers="3,1"), model=dict(num_layers=4, moe=dict(
-            aux_loss_coef=0.01, bias_update_rate=0.01)))})
+            aux_loss_coef=0.01, bias_update_rate=0.01)))}
+
+
+# Every pair the pipelined cases covered when each was a case of its own (0e6941b).
+PIPELINED_PAIRS = pairs.parse("""
+    1f1b: accumulate, all_gather_kv, bias balancing, capacity, data, experts over fsdp, experts whole, fsdp, moe, pipeline, sequence, switch loss, tensor, ulysses, uneven stages
+    accumulate: data, experts whole, moe, pipeline, switch loss, tensor
+    all_gather_kv: capacity, experts over fsdp, fsdp, moe, pipeline, sequence
+    bias balancing: experts over fsdp, fsdp, moe, pipeline, switch loss, uneven stages
+    capacity: experts over fsdp, fsdp, moe, pipeline, sequence
+    data: experts over fsdp, experts whole, first dense, fsdp, interleaved_1f1b, moe, pipeline, switch loss, tensor
+    experts over fsdp: first dense, fsdp, gpipe, interleaved_1f1b, moe, pipeline, sequence, switch loss, tensor, ulysses, uneven stages, zb_h1, zb_h2
+    experts whole: fsdp, moe, pipeline, switch loss, tensor
+    first dense: fsdp, interleaved_1f1b, moe, pipeline
+    fsdp: gpipe, interleaved_1f1b, moe, pipeline, sequence, switch loss, tensor, ulysses, uneven stages, zb_h1, zb_h2
+    gpipe: moe, pipeline
+    interleaved_1f1b: moe, pipeline
+    moe: pipeline, sequence, switch loss, tensor, ulysses, uneven stages, zb_h1, zb_h2
+    pipeline: sequence, switch loss, tensor, ulysses, uneven stages, zb_h1, zb_h2
+    sequence: ulysses
+    switch loss: tensor, uneven stages
+""")
 
 
 @pytest.mark.parametrize("case", tiered(PIPELINED, ("pipeline=2 fsdp=4 zb_h1",)))
@@ -751,8 +815,7 @@ def test_moe_in_the_pipeline_matches_the_step_without_it(case):
   its counts, they equal the step without the pipeline over the same
   microbatches (the loss's gradient against a plain loop is the layer
   tests' subject)."""
-  cfg = micro_config(**MOE)
-  cfg.update(PIPELINED[case])
+  cfg = composed(PIPELINED[case])
   batches = random_batches(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
   if cfg.model.moe.aux_loss_coef:
     *_, params, logged = meshtrain_run(cfg, batches, with_metrics=True)

@@ -13,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+import pairs
 from conftest import micro_config, tiered
 from equivalence import meshtrain_run
 from reference import random_batches
@@ -96,13 +97,12 @@ def plain_run(graphdef, params, model_state, optimizer, batches):
 # The switch loss's gradient is checked layer by layer in tests/test_moe.py.
 MOE = dict(num_experts=8, experts_per_token=2, mlp_dim=32, shared_mlp_dim=32,
            first_dense_layers=1, aux_loss_coef=0.0)
+# Pairwise, not a full product: `CASE_PAIRS` (checked below; `python
+# tests/pairs.py` draws the table) names the pairs the cases cover between them.
 CASES = {
-    "data=8": dict(mesh=dict(data=8)),
     "fsdp=8 moe": dict(mesh=dict(data=1, fsdp=8), model=dict(moe=MOE)),
     "fsdp=8 depth 2 tied packed": dict(mesh=dict(data=1, fsdp=8), packed=True,
                                        model=dict(mtp_layers=2, tie_embeddings=True)),
-    "data=2 fsdp=4 accumulate 2 moe": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2,
-                                           model=dict(moe=MOE)),
     "data=8 zero1 accumulate 2 remat=full": dict(mesh=dict(data=8), zero_stage=1,
                                                   grad_accum_steps=2, remat="full"),
     "tensor=2 fsdp=4 sequence parallel moe": dict(
@@ -121,14 +121,64 @@ CASES = {
     "pipeline=2 data=4 interleaved depth 2 accumulate 2": dict(
         mesh=dict(data=4, pipeline=2), grad_accum_steps=2, model=dict(num_layers=4, mtp_layers=2),
         pipeline=dict(schedule="interleaved_1f1b", microbatches=2, virtual_stages=2)),
+    "data=2 fsdp=4 accumulate 2 moe": dict(mesh=dict(data=2, fsdp=4), grad_accum_steps=2,
+                                           model=dict(moe=MOE)),
     "fsdp=8 offload params and optimizer": dict(mesh=dict(data=1, fsdp=8),
                                                 offload=dict(params=True, optimizer=True)),
     "expert_parallel=data,fsdp remat=selective": dict(
         mesh=dict(data=2, fsdp=4), expert_parallel="data,fsdp", remat="selective",
         model=dict(moe=MOE)),
 }
-QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed", "sequence=2 fsdp=4 ring packed",
-         "pipeline=2 fsdp=4 1f1b moe")
+QUICK = ("fsdp=8 moe", "fsdp=8 depth 2 tied packed",
+         "sequence=2 fsdp=4 ring packed", "pipeline=2 fsdp=4 1f1b moe")
+
+
+# Every pair the cases covered when each was a case of its own (0e6941b).
+CASE_PAIRS = pairs.parse("""
+    1f1b: experts over fsdp, first dense, fsdp, moe, mtp depth 1, pipeline, shared expert
+    accumulate: data, experts over fsdp, first dense, fsdp, interleaved_1f1b, moe, mtp depth 1, mtp depth 2, pipeline, remat full, shared expert, zero1
+    all_gather_kv: fsdp, mtp depth 1, packed, sequence
+    data: experts over data+fsdp, experts over fsdp, first dense, fsdp, interleaved_1f1b, moe, mtp depth 1, mtp depth 2, packed, pipeline, remat full, remat selective, sequence, shared expert, tied, ulysses, zb_h2, zero1
+    experts over data+fsdp: first dense, fsdp, moe, mtp depth 1, remat selective, shared expert
+    experts over fsdp: first dense, fsdp, megatron-sp, moe, mtp depth 1, pipeline, shared expert, tensor
+    first dense: fsdp, megatron-sp, moe, mtp depth 1, pipeline, remat selective, shared expert, tensor
+    fsdp: megatron-sp, moe, mtp depth 1, mtp depth 2, offload, packed, pipeline, remat selective, ring, sequence, shared expert, tensor, tied, ulysses
+    interleaved_1f1b: mtp depth 2, pipeline
+    megatron-sp: moe, mtp depth 1, shared expert, tensor
+    moe: mtp depth 1, pipeline, remat selective, shared expert, tensor
+    mtp depth 1: offload, packed, pipeline, remat full, remat selective, ring, sequence, shared expert, tensor, tied, ulysses, zb_h2, zero1
+    mtp depth 2: packed, pipeline, tied
+    packed: pipeline, ring, sequence, tied, ulysses, zb_h2
+    pipeline: sequence, shared expert, tied, ulysses, zb_h2
+    remat full: zero1
+    remat selective: shared expert
+    ring: sequence
+    sequence: tied, ulysses, zb_h2
+    shared expert: tensor
+    tied: ulysses, zb_h2
+    ulysses: zb_h2
+""")
+
+
+def case_config(case):
+  """`CASES[case]`'s config, and whether its batches are packed."""
+  changes = dict(CASES[case])
+  packed = changes.pop("packed", False)
+  cfg = micro_config()
+  cfg.model.mtp_layers, cfg.model.mtp_loss_coef = 1, 0.3
+  cfg.update(changes)
+  return cfg, packed
+
+
+def case_labels():
+  return {case: pairs.labels(cfg) | ({"packed"} if packed else set())
+          for case, (cfg, packed) in ((case, case_config(case)) for case in CASES)}
+
+
+def test_the_cases_cover_every_pair_they_must():
+  """Merging or removing a case below must not leave a pair of strategies
+  and features uncomposed (`python tests/pairs.py` draws the table)."""
+  assert pairs.missing(case_labels().values(), CASE_PAIRS) == []
 
 
 @pytest.mark.parametrize("case", tiered(CASES, QUICK))
@@ -136,11 +186,7 @@ def test_matches_a_plain_one_device_loss(case):
   """Losses (next-token + 0.3 x the depths'), the logged `mtp_loss` (the
   depths' mean) and the weights after four steps equal the plain run's; the
   modules' weights train."""
-  changes = dict(CASES[case])
-  packed = changes.pop("packed", False)
-  cfg = micro_config()
-  cfg.model.mtp_layers, cfg.model.mtp_loss_coef = 1, 0.3
-  cfg.update(changes)
+  cfg, packed = case_config(case)
   make = packed_batches if packed else random_batches
   batches = make(STEPS, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
 
