@@ -61,13 +61,6 @@ class ScheduledCollective:
   def hidden(self) -> bool:
     return self.overlapped_matmuls > 0
 
-  def as_dict(self) -> dict:
-    return {"name": self.op.name, "kind": self.op.kind, "axis": self.op.axis,
-            "count": self.op.count, "bytes": self.op.bytes, "in_loop": self.op.in_loop,
-            "asynchronous": self.asynchronous, "crosses_hosts": self.crosses_hosts,
-            "overlapped_flops": self.overlapped_flops,
-            "overlapped_matmuls": self.overlapped_matmuls}
-
 
 def _dims(attributes: str, key: str) -> list[int]:
   match = re.search(rf"{key}=\{{([\d,]*)\}}", attributes)
@@ -188,8 +181,8 @@ def _overlaps(module) -> dict[str, tuple[bool, float, int]]:
   return found
 
 
-def _crossing_axes(mesh: Mesh) -> dict[str, bool]:
-  """Per '+'-joined axis set of the mesh: whether its groups span hosts."""
+def _crossing_axes(mesh: Mesh):
+  """A function of a '+'-joined axis set of the mesh: whether its groups span hosts."""
   process = np.vectorize(lambda d: d.process_index)(mesh.devices)
 
   @functools.cache
