@@ -30,6 +30,11 @@ def test_one_setting_counts_the_model_flops_of_the_palm_formula():
 def test_a_failing_or_slow_setting_becomes_a_row_not_a_crash():
   args = argparse.Namespace(model="tiny", batch=2, seq=32, steps=1, warmup=0, timeout=120)
   failed = gpu.measure(args, "none-cudnn")  # no cuDNN on a CPU
-  assert failed == {"setting": "none-cudnn", "error": "RuntimeError: cuDNN is not detected."}
+  # jax says so in Python, or (where the dev extra installed cuDNN's library)
+  # when it lowers the kernel for the CPU
+  assert set(failed) == {"setting", "error"} and failed["setting"] == "none-cudnn"
+  assert failed["error"] in ("RuntimeError: cuDNN is not detected.",
+                             "NotImplementedError: MLIR translation rule for primitive "
+                             "'dot_product_attention_fwd' not found for platform cpu")
   args.timeout = 1  # less than importing jax takes
   assert gpu.measure(args, "selective-xla")["error"] == "timed out after 1 s"
