@@ -230,9 +230,9 @@ def _plan_target(cfg) -> None:
   gpu_targets.devices(target)  # before anything starts a backend on this machine
   validate.check_devices(cfg, target.num_devices, "gpu")
   report = plan(with_packing(cfg), target.num_devices, compile_step=False, target=target)
-  usable = clusters.PRESETS[target.name].usable_memory if target.name in clusters.PRESETS else 1
+  measured = report["measured"]
   report["verdict"] = verdict.verdict(
-      report["measured"]["memory_bytes"], target.num_devices, target.memory_bytes * usable,
+      measured["memory_bytes"], target.num_devices, measured["usable_memory_bytes"],
       f"one {target.device_kind} (by the compiled program)", _planned_config_args(cfg),
       target.name if target.name in clusters.PRESETS else "h100", cfg.remat)
   print(json.dumps(report, indent=2) if _JSON.value else

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import gpu_targets, rules as r
-from meshtrain.analysis import costs, gpu_program, hlo, residuals
+from meshtrain.analysis import clusters, costs, gpu_program, hlo, residuals
 from meshtrain.errors import ConfigError
 from meshtrain.models import flops, mla
 from meshtrain.mesh import AXES, axis_sizes, make_mesh
@@ -620,7 +620,11 @@ def measured_on_target(setup, target: gpu_targets.Target) -> dict:
   """The train step compiled for `target`'s GPUs (`setup` built on its
   devices): memory per device against the device's, the collectives with
   what XLA scheduled under them and the hosts they cross, the GEMM and
-  attention kernels, and the compile time."""
+  attention kernels, and the compile time. A step may use what the cluster
+  preset of its kind allows of the memory (`clusters.Cluster.usable_memory`),
+  all of it for another description."""
+  preset = clusters.PRESETS.get(target.name)
+  usable = int(target.memory_bytes * (preset.usable_memory if preset else 1))
   start = time.perf_counter()
   compiled = compile_step(setup)
   seconds = time.perf_counter() - start
@@ -631,7 +635,8 @@ def measured_on_target(setup, target: gpu_targets.Target) -> dict:
           "memory_bytes": {"arguments": memory["arguments"], "temp": memory["temp"],
                            "total": memory["total"]},
           "device_memory_bytes": target.memory_bytes,
-          "fits": memory["total"] <= target.memory_bytes,
+          "usable_memory_bytes": usable,
+          "fits": memory["total"] <= usable,
           "collectives": gpu_program.summary(scheduled),
           "hidden_share": gpu_program.hidden_share(scheduled),
           "kernels": gpu_program.kernels(compiled),
@@ -743,10 +748,10 @@ def format_plan(report: dict) -> str:
 def _format_target(measured: dict) -> list[str]:
   """The GPU program's own figures: memory against the device's, what runs
   under each kind of collective, the kernels."""
-  total, device = measured["memory_bytes"]["total"], measured["device_memory_bytes"]
+  total, usable = measured["memory_bytes"]["total"], measured["usable_memory_bytes"]
   lines = ["", f"GPU program for {measured['target']} ({measured['device_kind']}), compiled here "
            f"in {measured['compile_time_s']:g} s:",
-           f"  per device {total / 2**30:.2f} GiB of {device / 2**30:.2f} GiB: "
+           f"  per device {total / 2**30:.2f} GiB of the {usable / 2**30:.2f} GiB usable: "
            f"{'fits' if measured['fits'] else 'does not fit'}",
            "  collectives               MiB   hidden under matmuls   across hosts   async"]
   for c in measured["collectives"]:

@@ -21,6 +21,9 @@ import os
 import re
 from pathlib import Path
 
+import jax
+from jax.experimental import topologies
+
 from meshtrain import quiet_cuda
 from meshtrain.errors import ConfigError, reading
 
@@ -95,9 +98,7 @@ def devices(target: Target) -> list:
 
 @functools.cache
 def _topology(config_text: str, hosts: int, per_host: int):
-  import jax  # noqa: PLC0415 (after the environment is set for the plugin)
-  from jax.experimental import topologies  # noqa: PLC0415
-  if quiet_cuda.no_driver():
+  if quiet_cuda.no_driver():  # before the plugin initialises CUDA (cuInit)
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     jax.config.update("jax_platforms", "cpu")
   if not quiet_cuda.plugin_installed():
