@@ -70,6 +70,10 @@ def test_b_and_w_equal_the_vjp_and_share_no_matmul(remat):
       lambda: layer(params, x, aux))
   assert dots(lambda: split.backward_input(params, aux, stash, dy)) + dots(
       lambda: split.backward_weight(params, aux, stash, cut)) == backward
+  # The norms' scales get their gradients in B (sums over the tokens): the cut
+  # holds those, not the activations and per-token statistics they sum.
+  assert sorted(c.shape for c in split.cut if len(c.shape) == 1) == [(32,), (32,)], split.cut
+  assert not any(c.shape[-1] == 1 for c in split.cut), split.cut
   # The stash holds x-dependent residuals only: weights and rotary tables are recomputed.
   assert all(s.shape[:2] == (2, 16) or s.shape[0] == 2 for s in split.stash), split.stash
   if remat == "full":

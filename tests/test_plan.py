@@ -15,7 +15,7 @@ import pytest
 from conftest import micro_config, step_collectives, tiered
 from meshtrain.analysis import hlo, trace
 from meshtrain.analysis.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
-                                     stacked_slots, stage_layers)
+                                     split_bytes, stacked_slots, stage_layers)
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
 from meshtrain.train.parallelize import llama_spec, model_config
@@ -233,3 +233,23 @@ def test_pipeline_gradient_sums_are_what_the_tick_loop_carries(mesh):
   layers = sum(x.size for x in jax.tree.leaves(params["layers"]))
   stage = sum(x.size for x in jax.tree.leaves(params)) - layers + layers / cfg.mesh.pipeline
   assert carried == pytest.approx(4 * stage / mesh["fsdp"], rel=0.10)
+
+
+def test_a_pipelines_cut_is_each_weight_matmuls_input_and_output_gradient():
+  """What B leaves W per layer and microbatch (`plan.split_bytes`), counted by
+  hand for the micro model under full recomputation on data=2 x tensor=2 x
+  pipeline=2 (float32): each weight matmul's input and output gradient, the
+  attention's heads and the MLP split over `tensor`, and the two norms'
+  scale gradients; F's stash is the layer's input."""
+  cfg = micro_config(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.pipeline": 2, "remat": "full",
+                        "pipeline.microbatches": 2})
+  mesh = abstract_mesh(cfg.mesh, 8)
+  d, local_heads, local_kv, h, local_f = 32, 2, 1, 8, 32
+  per_token = (d + (local_heads + 2 * local_kv) * h    # q, k, v from the normed input
+               + local_heads * h + d                   # the output projection
+               + d + 2 * local_f + 2 * local_f         # gate and up: input, outputs, gradients
+               + d)                                    # the down projection's output gradient
+  tokens = cfg.global_batch // cfg.pipeline.microbatches // cfg.mesh.data * cfg.seq_len
+  held = split_bytes(cfg, mesh, sharding_rules(cfg, mesh), cfg.global_batch // 2)
+  assert held["cut"] == 4 * (tokens * per_token + 2 * d)
+  assert held["res"] == 4 * tokens * d

@@ -125,20 +125,24 @@ def exposed_behind_layers(traffic_s: float, compute_s: float, layers: int) -> fl
   return per_layer + (layers - 1) * max(slowed, per_layer - per_compute)
 
 
+# The buffers a stage holds values in, as `TableCounts.slots` counts them.
+SLOT_BUFFERS = ("inputs", "res", "cut", "head_res", "head_cut")
+
+
 @dataclasses.dataclass(frozen=True)
 class TableCounts:
   """What the planner reads from meshtrain's table for a schedule.
 
   idle, cells: idle stage-ticks, and all of them; sends: ticks after which
-  every stage sends (`Schedule.sends`); slots: a stage's most inputs and
-  input gradients waiting, chunk residuals and cuts, head residuals and cuts
-  (`Schedule.num_slots`); ticks_by_chunks: how many ticks run each row of
+  every stage sends (`Schedule.sends`); slots: a stage's most values held in
+  each of `SLOT_BUFFERS` (`Schedule.num_slots`; inputs and input gradients
+  waiting together); ticks_by_chunks: how many ticks run each row of
   chunks over the stages (-1 where a stage idles)."""
 
   idle: float
   cells: float
   sends: float
-  slots: tuple[float, float, float]
+  slots: tuple[float, ...]  # in the order of SLOT_BUFFERS
   ticks_by_chunks: dict[tuple[int, ...], float]
 
   def along(self, other: "TableCounts", t: float) -> "TableCounts":
@@ -159,8 +163,8 @@ def counted(table: schedules.Schedule) -> TableCounts:
                           return_counts=True)
   return TableCounts(
       int((table.op == schedules.IDLE).sum()), table.op.size, int(table.sends().sum()),
-      tuple(table.num_slots(a) + table.num_slots(b)
-            for a, b in (("act", "grad"), ("res", "cut"), ("head_res", "head_cut"))),
+      (table.num_slots("act") + table.num_slots("grad"),
+       *(table.num_slots(name) for name in SLOT_BUFFERS[1:])),
       {tuple(row.tolist()): int(n) for row, n in zip(rows, ticks)})
 
 

@@ -44,7 +44,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.models import flops, mla
 from meshtrain.mesh import AXES, axis_sizes, make_mesh
 from meshtrain.parallel import experts, sequence
-from meshtrain.train import local_sgd, setup as setup_lib
+from meshtrain.parallel.pipeline.split import split_vjp
+from meshtrain.train import local_sgd, pipelined, setup as setup_lib
 from meshtrain.train.loss import model_loss, with_loss_weights
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
                                          slots, stage_layout)
@@ -505,16 +506,62 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
              and not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
 
 
-def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> tuple[int, int, int]:
+def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> dict[str, int]:
   """What one pipeline stage holds at its peak, in microbatch-chunks
   (`meshtrain.parallel.pipeline.runtime`; every stage allocates the largest
-  stage's buffers): chunk inputs and input gradients waiting in their receive
-  slots; layer residuals, F's `res` stash and B's `cut` for W (counted at a
-  chunk's residuals each: W needs the weight matmuls' inputs and their output
-  gradients); and the head's and loss's residuals, which only the last chunk
-  keeps (`head_res` and `head_cut`)."""
+  stage's buffers), by buffer (`costs.SLOT_BUFFERS`): chunk inputs and input
+  gradients waiting in their receive slots (`inputs`); the layers' F stash
+  (`res`) and B's cut for W (`cut`); the head's and loss's (`head_res`,
+  `head_cut`), which only the last chunk keeps."""
   counts = costs.table_counts(cfg.pipeline.schedule, stages, microbatches, virtual_stages)
-  return tuple(round(n) for n in counts.slots)
+  return {name: round(n) for name, n in zip(costs.SLOT_BUFFERS, counts.slots)}
+
+
+def split_bytes(cfg, mesh, rules, rows: int) -> dict[str, int]:
+  """Per-device bytes in device memory that a pipeline's split backward keeps
+  for one microbatch of `rows` sequences (`split_values`)."""
+  spec = llama_spec(traced_model(cfg, 1, cfg.remat, run_device(mesh)),
+                    slots(cfg, mesh, implementation="xla"))
+  return {name: sum(v.device_bytes for v in values if not v.on_host)
+          for name, values in split_values(spec, cfg, rows, mesh, rules).items()}
+
+
+def split_values(spec, cfg, rows: int, mesh, rules) -> dict[str, list[residuals.Residual]]:
+  """What a pipeline's split backward (`split.split_vjp`) keeps for one
+  microbatch of `rows` sequences, each value with its layout: one layer's F
+  stash (`res`) and the cut B leaves for W (`cut`: the weight matmuls' inputs
+  and output gradients), and the head's and loss's (`head_res`, `head_cut`).
+  Traced from the pieces the executor runs (`pipelined.model_pieces`) for
+  `spec`'s model under `cfg.remat`, laid out by the rules."""
+  pieces, names = pipelined.model_pieces(spec, cfg.remat), spec.names
+  params, state = spec.abstract_params, jax.eval_shape(spec.init_model_state) or {}
+  one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
+  is_names = lambda n: isinstance(n, tuple)  # noqa: E731
+  layer_p = {"params": one(params["layers"]), "state": one(state.get("layers", {}))}
+  layer_names = {"params": jax.tree.map(lambda n: n[1:], names["layers"], is_leaf=is_names),
+                 "state": jax.tree.map(lambda a: (None,) * a.ndim, layer_p["state"])}
+  table = pipelined.uses_table(spec)
+  head_p = {"head": params["head"], "table": params["embed"] if table else {}, "mtp": {}}
+  head_names = {"head": names["head"], "table": names["embed"] if table else {}, "mtp": {}}
+  x = jax.ShapeDtypeStruct((rows, cfg.seq_len, cfg.model.embed_dim), jnp.dtype(cfg.compute_dtype))
+  batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+  aux = {k: v for k, v in jax.eval_shape(with_loss_weights, batch).items() if k != "inputs"}
+  aux_names = jax.tree.map(lambda a: (r.BATCH, r.LENGTH) + (None,) * (a.ndim - 2), aux)
+  out = {}
+  for name, fn, p, p_names in (("", pieces["layer_fn"], layer_p, layer_names),
+                               ("head_", pieces["loss_fn"], head_p, head_names)):
+    counts = {}
+
+    def stash_and_cut(p, x, aux, fn=fn, counts=counts):
+      split = split_vjp(fn, p, x, aux)
+      y, stash, _ = split.forward(p, x, aux)
+      counts["res"] = len(stash)
+      return stash, split.backward_input(p, aux, stash, y)[1]  # y: a gradient laid out as it
+    leaves = jax.tree.leaves([p_names, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED), aux_names],
+                             is_leaf=is_names)
+    values = residuals.output_layouts(stash_and_cut, (p, x, aux), leaves, mesh, rules)
+    out[name + "res"], out[name + "cut"] = values[:counts["res"]], values[counts["res"]:]
+  return out
 
 
 def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,
@@ -542,19 +589,21 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
   microbatch each.
   """
   m, stages = cfg.model, _sizes(mesh)["pipeline"]
-  rows, layers = _microbatch_rows(cfg, mesh), m.num_layers
-  inputs, residual_slots, head_slots = 0, 1, 1
-  if stages > 1:
-    p = cfg.pipeline
-    input_slots, residual_slots, head_slots = pipeline_slots(cfg, stages, p.microbatches,
-                                                             p.virtual_stages)
-    layers = stage_layers(cfg)[1]
-    per_device_rows = rows // _prod([a for a in BATCH_AXES if _sizes(mesh)[a] > 1], mesh)
-    length = cfg.seq_len // (_sizes(mesh)["tensor"] if _sequence_parallel(rules, mesh) else 1)
-    inputs = (input_slots * per_device_rows * length * m.embed_dim
-              * jnp.dtype(cfg.compute_dtype).itemsize)
-  per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)
-  return (not on_host) * inputs + residual_slots * layers * per_layer + head_slots * head
+  rows = _microbatch_rows(cfg, mesh)
+  p = cfg.pipeline
+  held = pipeline_slots(cfg, stages, p.microbatches, p.virtual_stages) if stages > 1 else {}
+  if stages == 1 or on_host:  # offloaded residuals wait in F's stash
+    per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)
+    return (held.get("res", 1) * stage_layers(cfg)[1] * per_layer
+            + held.get("head_res", 1) * head)
+  per_device_rows = rows // _prod([a for a in BATCH_AXES if _sizes(mesh)[a] > 1], mesh)
+  length = cfg.seq_len // (_sizes(mesh)["tensor"] if _sequence_parallel(rules, mesh) else 1)
+  inputs = (held["inputs"] * per_device_rows * length * m.embed_dim
+            * jnp.dtype(cfg.compute_dtype).itemsize)
+  per_microbatch = split_bytes(cfg, mesh, rules, rows)
+  layers = stage_layers(cfg)[1]
+  return inputs + sum(held[name] * per_microbatch[name] * (layers if name in ("res", "cut") else 1)
+                      for name in per_microbatch)
 
 
 def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:

@@ -334,6 +334,25 @@ def saved_residuals(loss_fn: Callable[[Any, dict], jax.Array], abstract_params, 
   return saved
 
 
+def output_layouts(fn: Callable, abstract_args: Sequence[Any], arg_names: Sequence[Any], mesh,
+                   rules: r.ShardingRules) -> list[Residual]:
+  """Each output leaf of `fn(*abstract_args)` with its layout and its bytes a
+  device, traced under `rules` on `mesh` (an AbstractMesh will do), each input
+  leaf laid out by its logical names (`arg_names`: a tuple per leaf, None for
+  a dimension no rule splits), the rest by the same propagation as
+  `saved_residuals`."""
+  mesh = getattr(mesh, "abstract_mesh", mesh)
+  with jax.sharding.use_abstract_mesh(mesh), nnx.logical_axis_rules(rules.params):
+    jaxpr = jax.make_jaxpr(fn)(*abstract_args).jaxpr
+  specs = propagate(jaxpr, _specs(list(arg_names), rules.params), mesh)
+  outs = []
+  for v, spec in zip(jaxpr.outvars, specs):
+    shape, dtype = tuple(v.aval.shape), str(v.aval.dtype)
+    outs.append(Residual(shape, dtype, spec, _device_bytes(shape, dtype, spec, mesh),
+                         v.aval.memory_space == jax.memory.Space.Host))
+  return outs
+
+
 def residual_outputs(loss_fn: Callable[[Any, dict], jax.Array]) -> Callable:
   """`fn(params, batch)` returning the residuals `saved_residuals` counts, to
   compile under the mesh and the rules and measure

@@ -237,14 +237,16 @@ class _ActivationModel:
 
   @functools.cache
   def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool,
-              experts: int) -> dict[tuple, tuple[float, float]]:
+              experts: int, cut: bool = False) -> dict[tuple, tuple[float, float]]:
     """The residuals of a TRACED_LAYERS-layer model on a mesh of 2s
     (`sequence` 2 with context-parallel `strategy`, 1 without one), or with
     the routed experts split over `data` = `experts` devices (an axis that
     splits no weight), summed by how they scale, (split over tensor?,
     sequence?, stacked over layers?, attention scores?): (bytes a device
     holds whatever its rows, bytes a row), the line through TRACED_ROWS and
-    twice that sequences a device."""
+    twice that sequences a device. With `cut`, instead of the residuals
+    what a pipeline's B leaves W (`plan.split_values`): one layer's counted
+    as TRACED_LAYERS layers stacked, and the head's."""
     sizes = {"data": max(experts, 2), "tensor": 2 if tensor else 1,
              "sequence": 2 if strategy else 1}
     mesh = _abstract_mesh(sizes)
@@ -254,18 +256,24 @@ class _ActivationModel:
     model_cfg = plan_lib.traced_model(self.cfg, TRACED_LAYERS, remat)
     cfg = ml_collections.ConfigDict(self.cfg.to_dict())
     cfg.attention.sequence_strategy = strategy or cfg.attention.sequence_strategy
-    cfg.expert_parallel = ",".join(expert_axes)
+    cfg.expert_parallel, cfg.remat = ",".join(expert_axes), remat
     spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
 
     def kinds(rows: int) -> collections.Counter:
       batch = {k: jax.ShapeDtypeStruct((rows * sizes["data"], self.cfg.seq_len), jnp.int32)
                for k in ("inputs", "targets")}
-      saved = residuals.saved_residuals(plan_lib.llama_loss(spec), spec.abstract_params,
-                                        spec.names, batch, mesh, rules)
+      if cut:  # one layer's, counted as TRACED_LAYERS stacked, and the head's
+        kept = plan_lib.split_values(spec, cfg, rows * sizes["data"], mesh, rules)
+        values = ([(dataclasses.replace(x, device_bytes=x.device_bytes * TRACED_LAYERS), True)
+                   for x in kept["cut"]] + [(x, False) for x in kept["head_cut"]])
+      else:
+        values = [(x, x.shape[:1] == (TRACED_LAYERS,) and not x.spec[0])  # not a scalar's
+                  for x in residuals.saved_residuals(plan_lib.llama_loss(spec),
+                                                     spec.abstract_params, spec.names, batch,
+                                                     mesh, rules)]
       by_kind = collections.Counter()
-      for x in saved:
+      for x, stacked in values:
         axes = {a for split in x.spec for a in split}
-        stacked = x.shape[:1] == (TRACED_LAYERS,) and not x.spec[0]  # not a scalar's
         scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
         by_kind[("tensor" in axes, "sequence" in axes, stacked, scores)] += x.device_bytes
       return by_kind
@@ -276,7 +284,7 @@ class _ActivationModel:
 
   @functools.cache
   def _scaling(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool,
-               experts: int) -> list[tuple]:
+               experts: int, cut: bool = False) -> list[tuple]:
     """`_traced`'s kinds as (fixed bytes, bytes a row, *kind), expert
     parallelism added as the difference it makes to the layout traced with
     all_gather_kv (it changes the experts, the strategy the attention: one
@@ -286,26 +294,28 @@ class _ActivationModel:
     saves none of them),
     and no split changes it."""
     kinds = collections.defaultdict(lambda: (0.0, 0.0), self._traced(
-        remat, tensor, strategy, split_kv, 1))
+        remat, tensor, strategy, split_kv, 1, cut))
     alike = strategy and "all_gather_kv"
-    if experts > 1 and (self._traced(remat, tensor, alike, split_kv, 2)
-                        != self._traced(remat, tensor, alike, split_kv, 1)):
+    if experts > 1 and (self._traced(remat, tensor, alike, split_kv, 2, cut)
+                        != self._traced(remat, tensor, alike, split_kv, 1, cut)):
       for sign, split in ((1, experts), (-1, 1)):
-        for kind, line in self._traced(remat, tensor, alike, split_kv, split).items():
+        for kind, line in self._traced(remat, tensor, alike, split_kv, split, cut).items():
           kinds[kind] = tuple(a + sign * b for a, b in zip(kinds[kind], line))
     return [(*line, *kind) for kind, line in kinds.items()]
 
   def bytes(self, sizes: dict, remat: str, rows: float, layers: int,
-            strategy: str | None = None, experts: int = 1) -> tuple[float, float]:
+            strategy: str | None = None, experts: int = 1,
+            cut: bool = False) -> tuple[float, float]:
     """Residuals of `layers` layers, and of embedding, head and loss, on
     `rows` sequences per device (sequence parallelism whenever `tensor`
     splits; under `sequence`, context-parallel `strategy`, default the
-    config's; the routed experts split over `experts` devices)."""
+    config's; the routed experts split over `experts` devices); with `cut`,
+    what a pipeline's B leaves W for `layers` layers, and for the head."""
     t, s = sizes["tensor"], sizes["sequence"]
     totals = [0.0, 0.0]
     strategy = (strategy or self.cfg.attention.sequence_strategy) if s > 1 else None
     for fixed, per_row, tensor, seq, stacked, scores in self._scaling(
-        remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0, experts):
+        remat, t > 1, strategy, self.cfg.model.num_kv_heads % t == 0, experts, cut):
       if scores and self.flash:  # whole-length scores: a flash kernel keeps none
         continue
       nbytes = (fixed + per_row * rows) * (layers / TRACED_LAYERS if stacked else 1)
@@ -497,20 +507,24 @@ class StepModel:
     replicas = sizes["data"] * sizes["fsdp"]
     rows = cfg.global_batch // c.grad_accum_steps
     layers = cfg.model.num_layers
-    inputs, residual_slots, head_slots = 0.0, 1, 1
+    inputs, cut, head_cut = 0.0, 0.0, 0.0
+    held = {"res": 1, "cut": 0, "head_res": 1, "head_cut": 0}
     if sizes["pipeline"] > 1:
-      input_slots, residual_slots, head_slots = plan_lib.pipeline_slots(
-          cfg, sizes["pipeline"], c.microbatches, c.virtual_stages)
+      held = plan_lib.pipeline_slots(cfg, sizes["pipeline"], c.microbatches, c.virtual_stages)
       rows, layers = rows // c.microbatches, plan_lib.stage_layers(cfg)[1]
       length = cfg.seq_len // (sizes["tensor"] if c.tensor_sequence_parallel else 1)
-      inputs = (input_slots * rows / replicas * length / sizes["sequence"]
+      inputs = (held["inputs"] * rows / replicas * length / sizes["sequence"]
                 * cfg.model.embed_dim * jnp.dtype(cfg.compute_dtype).itemsize)
     split = self.expert_split(c)
     saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
                                          c.sequence_strategy, split)
+    if sizes["pipeline"] > 1:
+      cut, head_cut = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
+                                             c.sequence_strategy, split, cut=True)
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
                                           c.sequence_strategy, split)[0]
-    return int(inputs + residual_slots * saved + head_slots * head), int(backward)
+    return int(inputs + held["res"] * saved + held["cut"] * cut + held["head_res"] * head
+               + held["head_cut"] * head_cut), int(backward)
 
   def buffer_bytes(self, cfg, c: Candidate) -> int:
     """Two layers of gathered working weights (the one running and the one

@@ -35,7 +35,7 @@ GradsFn = Callable[[dict, dict, object], tuple[jax.Array, dict, dict]]
 LossFn = Callable[[dict, dict, object], jax.Array]
 
 
-def _pieces(spec: ModelSpec, remat: str) -> dict:
+def model_pieces(spec: ModelSpec, remat: str) -> dict:
   """The Llama as the executor's embed_fn, layer_fn and loss_fn. One layer
   runs under the `remat` policy, which decides the residuals F stashes.
   The embedding's params are {"embed": ..., "dense": the leading dense
@@ -93,13 +93,13 @@ def _pieces(spec: ModelSpec, remat: str) -> dict:
   return dict(embed_fn=embed_fn, layer_fn=layer_fn, loss_fn=loss_fn)
 
 
-def _uses_table(spec: ModelSpec) -> bool:
+def uses_table(spec: ModelSpec) -> bool:
   """Whether the head's piece holds the embedding table (tied, or multi-token prediction)."""
   return "mtp" in spec.abstract_params or "head_DxV" not in spec.abstract_params["head"]
 
 
 def _weight_specs(spec: ModelSpec, rules: r.Rules) -> dict:
-  """The PartitionSpecs of the executor's params (`_pieces`) under `rules`,
+  """The PartitionSpecs of the executor's params (`model_pieces`) under `rules`,
   a layer's without its stacked axis; the model state is replicated."""
   def specs(names, lead=0):  # without `lead` leading dimensions
     return jax.tree.map(lambda n: P(*r.logical_to_spec(n, rules)[lead:]), names,
@@ -110,7 +110,7 @@ def _weight_specs(spec: ModelSpec, rules: r.Rules) -> dict:
           "layers": {"params": specs(names["layers"], lead=1),
                      "state": jax.tree.map(lambda _: P(), model_state.get("layers", {}))},
           "head": {"head": specs(names["head"]),
-                   "table": specs(names["embed"]) if _uses_table(spec) else {},
+                   "table": specs(names["embed"]) if uses_table(spec) else {},
                    "mtp": {"params": specs(names["mtp"]),
                            "state": jax.tree.map(lambda _: P(), model_state.get("mtp", {}))}
                    if "mtp" in names else {}}}
@@ -131,7 +131,7 @@ def _executor(spec, pipeline_cfg, mesh, rules, remat, schedule, replicas=False, 
   `replicas`, local SGD's: params lead with a replica dimension over `data`,
   each replica trains on its rows, loss and grads come back per replica.
   `layout` None: the even split of the model's layers."""
-  pieces, table = _pieces(spec, remat), _uses_table(spec)
+  pieces, table = model_pieces(spec, remat), uses_table(spec)
   if layout is None:
     layout = StageLayout.even(len(jax.tree.leaves(spec.abstract_params["layers"])[0]),
                               mesh.shape["pipeline"], pipeline_cfg.virtual_stages)

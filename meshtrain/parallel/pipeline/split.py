@@ -16,7 +16,10 @@ stash holds. Residuals computed from `params` and `aux` alone (cast or
 concatenated weights, rotary tables) are not stashed: both halves recompute
 them. `cut` holds the values W needs that B computes anyway (the gradients at
 the weights' matmul outputs), so together B and W do the work of one
-backward: no operation of the backward runs in both.
+backward: no operation of the backward runs in both. A weight whose gradient
+is no matmul (a norm's scale) gets it from B, through the cut: W's job is
+the weight matmuls, and the activations such a gradient sums would make the
+cut large (two float32 [tokens, embed] arrays a norm).
 """
 
 import dataclasses
@@ -76,6 +79,19 @@ def _depends_on(jaxpr: core.Jaxpr, sources: Sequence[bool]) -> list[bool]:
   return [isinstance(v, core.Var) and v in tainted for v in jaxpr.outvars]
 
 
+# Primitives that multiply matrices: what W is for.
+MATMULS = frozenset(("dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated",
+                     "pallas_call"))
+
+
+def _matmul_after(bwd_jaxpr: core.Jaxpr, param_index: int, in_b: set[int]) -> bool:
+  """Whether the gradient of parameter `param_index` (the backward's outputs
+  are [dparams..., dx]) needs a matmul that B, which makes dx, does not run."""
+  used = [i == param_index for i in range(len(bwd_jaxpr.outvars))]
+  return any(e.primitive.name in MATMULS and id(e) not in in_b
+             for e in core.dce(bwd_jaxpr, used)[0].eqns)
+
+
 def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
               x: jax.Array, aux: Any) -> SplitVjp:
   """Splits the vjp of `f` at these (abstract or concrete) arguments.
@@ -116,7 +132,12 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   *residual_vars, dy_var = bwd_jaxpr.invars
   # Outputs are [dparams..., dx]: B keeps what dx needs; W runs the rest of
   # what dparams needs, reading the values B made (and dy) from the cut.
-  b_jaxpr, _ = core.dce(bwd_jaxpr, [False] * n_params + [True])
+  in_b = {id(e) for e in core.dce(bwd_jaxpr, [False] * n_params + [True])[0].eqns}
+  # A weight whose gradient needs no matmul past what dx needs (a norm's
+  # scale: a sum over the tokens) has it made in B, so that the cut holds the
+  # small gradient, not the activations it sums.
+  in_b_too = [not _matmul_after(bwd_jaxpr, i, in_b) for i in range(n_params)]
+  b_jaxpr, _ = core.dce(bwd_jaxpr, [*in_b_too, True])
   w_all, _ = core.dce(bwd_jaxpr, [True] * n_params + [False])
   in_b = {id(e) for e in b_jaxpr.eqns}
   w_eqns = [e for e in w_all.eqns if id(e) not in in_b]
@@ -126,7 +147,7 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   cut = list(dict.fromkeys(v for v in needed if isinstance(v, core.Var)
                            and v in defined_by_b and v not in defined_by_w))
   b_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
-      core.rebuilt(bwd_jaxpr, bwd_jaxpr.invars, [*b_jaxpr.outvars, *cut], b_jaxpr.eqns),
+      core.rebuilt(bwd_jaxpr, bwd_jaxpr.invars, [b_jaxpr.outvars[-1], *cut], b_jaxpr.eqns),
       bwd.consts))
   w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
       core.rebuilt(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
