@@ -124,9 +124,7 @@ def layer_value_and_grads(moe: MoE, x, cotangent):
   def loss(x, params):
     y, stats = nnx.merge(graphdef, params, state).forward(x)
     return jnp.sum(y * cotangent), (y, stats)
-  # Jitted: one program, not an eager dispatch (and a compile) per op.
-  (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-      x, params)
+  (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
   dx, dparams = grads
   names = ("router_DxE", "w_gate_ExDxF", "w_up_ExDxF", "w_down_ExFxD")
   return y, stats, (dx, *(dparams[n][...] for n in names))
@@ -136,7 +134,7 @@ def plain_value_and_grads(moe: MoE, x, cotangent, cfg: MoEConfig, **plain):
   def loss(x, router, gate, up, down):
     y, aux = plain_moe(x, router, gate, up, down, cfg, **plain)
     return jnp.sum(y * cotangent) + cfg.aux_loss_coef * aux, y
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(
+  (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)(
       x, *weights_of(moe))
   return y, grads
 
