@@ -65,15 +65,16 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,  # Qwen3's
                 "ue8m0": torch.float8_e8m0fnu}  # power-of-two bytes
 
 
-def write_reference(tmp_path, expected: dict) -> None:
-  """`tmp_path / "reference"`: the float checkpoint in `tmp_path / "float"`
-  with `expected` (torch's dequantized tensors) in place of its own."""
-  reference = safetensors.torch.load_file(tmp_path / "float" / "model.safetensors")
+def write_reference(tmp_path, expected: dict, source=None) -> None:
+  """`tmp_path / "reference"`: the float checkpoint in `source` (default
+  `tmp_path / "float"`) with `expected` (torch's dequantized tensors) in
+  place of its own."""
+  source = source or tmp_path / "float"
+  reference = safetensors.torch.load_file(source / "model.safetensors")
   (tmp_path / "reference").mkdir()
   safetensors.torch.save_file({**reference, **expected},
                               tmp_path / "reference" / "model.safetensors")
-  (tmp_path / "reference" / "config.json").write_bytes(
-      (tmp_path / "float" / "config.json").read_bytes())
+  (tmp_path / "reference" / "config.json").write_bytes((source / "config.json").read_bytes())
 
 
 def quantize(source, out, block=(4, 4), values=torch.float8_e4m3fn, scales="float32"):
@@ -130,20 +131,39 @@ def test_float8_import_computes_transformers_dequantized_logits(float8_model, me
   assert_import_computes_logits(directory, model, mesh)
 
 
+READ_BYTES = 40  # 1 to 3 rows of the test model a read
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_float(tmp_path_factory):
+  """(directory, setup on fsdp=4 x tensor=2, weights as imported) of a float
+  DeepSeek-V3 test model, read READ_BYTES at a time: the checkpoint every
+  block layout below is quantized from, written and read once."""
+  directory = tmp_path_factory.mktemp("deepseek_v3") / "float"
+  save_hf_model(directory, "deepseek_v3")
+  setup = build(imported(directory, **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(hf_load, "READ_BYTES", READ_BYTES)
+    params = jax.device_get(hf_load.load_params(directory, setup.spec.abstract_params,
+                                                setup.shardings.params, key="--from"))
+  return directory, setup, params
+
+
 @pytest.mark.parametrize("block, values, scales", [
     ((8, 16), torch.float8_e4m3fn, "float32"),  # blocks the matrices' sizes do not divide
     ((16, 8), torch.float8_e5m2, "ue8m0"),  # UE8M0 scales, e5m2 values
     ((8, 8), torch.float8_e4m3fn, "bfloat16"),
     (None, torch.float8_e4m3fn, "float32")])  # one scale per matrix
-def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, values, scales):
+def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, deepseek_v3_float,
+                                                 block, values, scales):
   """Every imported weight equals torch's `Q * scale` to the bit, on a mesh
   whose shards, and runs of rows read at once, cut blocks in the middle;
   `transformers` refuses blocks that do not divide a matrix, so torch's
   arithmetic is the reference here."""
-  monkeypatch.setattr(hf_load, "READ_BYTES", 40)  # 1 to 3 rows a read
-  save_hf_model(tmp_path / "float", "deepseek_v3")
+  source, setup, float_params = deepseek_v3_float
+  monkeypatch.setattr(hf_load, "READ_BYTES", READ_BYTES)
   grid_block = block or (128, 128)  # one block covering each of the test model's matrices
-  expected = quantize(tmp_path / "float", tmp_path / "fp8", grid_block, values, scales)
+  expected = quantize(source, tmp_path / "fp8", grid_block, values, scales)
   if block is None:  # one scale per matrix: written as a [1] vector, config says null
     hf = json.loads((tmp_path / "fp8" / "config.json").read_text())
     hf["quantization_config"]["weight_block_size"] = None
@@ -152,16 +172,12 @@ def test_partial_blocks_dequantize_as_torch_does(tmp_path, monkeypatch, block, v
     safetensors.torch.save_file({name: t.reshape(1) if name.endswith("_scale_inv") else t
                                  for name, t in tensors.items()},
                                 tmp_path / "fp8" / "model.safetensors")
-  write_reference(tmp_path, expected)
-  cfg = imported(tmp_path / "float", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2})
-  setup = build(cfg)
+  write_reference(tmp_path, expected, source)
   got, want = (jax.device_get(hf_load.load_params(tmp_path / d, setup.spec.abstract_params,
                                           setup.shardings.params, key="--from"))
                for d in ("fp8", "reference"))
   jax.tree.map(np.testing.assert_array_equal, got, want)
-  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), got, jax.device_get(
-      hf_load.load_params(tmp_path / "float", setup.spec.abstract_params, setup.shardings.params,
-                  key="--from")))
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), got, float_params)
   assert max(jax.tree.leaves(moved)) > 0  # the float8 rounding is there: the test sees it
 
 

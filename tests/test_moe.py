@@ -509,24 +509,35 @@ def test_moe_training_matches_unsharded_plain_jit(case):
   assert_matches_one_device(cfg, batches)
 
 
+def half_precision_losses(working):
+  """The losses of STEPS steps on fsdp=8 with the switch loss, weights and
+  compute in `working`; asserts that no step overflowed."""
+  batches = random_batches(STEPS, 16, 16, 64)
+  cfg = micro_config(**{**MOE, "mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
+                        "compute_dtype": working, "model.moe.aux_loss_coef": 0.01})
+  setup = build(cfg)
+  state = setup.init_state()
+  losses = []
+  for batch in batches:
+    state, metrics = setup.train_step(state, jax.device_put(batch,
+                                                            setup.train_step.batch_sharding))
+    losses.append(float(metrics["loss"]))
+  assert int(metrics["nonfinite_steps"]) == 0
+  return losses
+
+
+@pytest.fixture(scope="module")
+def float32_losses():
+  """The float32 run both half precisions are compared with, trained once."""
+  return half_precision_losses("float32")
+
+
 @pytest.mark.parametrize("dtype", tiered(["bfloat16", "float16"], ("bfloat16",)))
-def test_moe_in_half_precision_tracks_float32(dtype):
+def test_moe_in_half_precision_tracks_float32(dtype, float32_losses):
   """bfloat16, and float16 with loss scaling, on fsdp=8 with the switch loss:
   the losses stay within rounding of the float32 run (which equals one
   device above), and no step overflows."""
-  batches = random_batches(STEPS, 16, 16, 64)
-  losses = {}
-  for working in ("float32", dtype):
-    cfg = micro_config(**{**MOE, "mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
-                          "compute_dtype": working, "model.moe.aux_loss_coef": 0.01})
-    setup = build(cfg)
-    state = setup.init_state()
-    for batch in batches:
-      state, metrics = setup.train_step(state, jax.device_put(batch,
-                                                              setup.train_step.batch_sharding))
-      losses.setdefault(working, []).append(float(metrics["loss"]))
-    assert int(metrics["nonfinite_steps"]) == 0
-  np.testing.assert_allclose(losses[dtype], losses["float32"], atol=0.03)
+  np.testing.assert_allclose(half_precision_losses(dtype), float32_losses, atol=0.03)
 
 
 @pytest.mark.parametrize("preset, total, active, lookup", [
@@ -676,6 +687,16 @@ def assert_tensor_shares_equal_one_device(case, dispatch="padded"):
   assert (float(stats.dropped) > 0) == (capacity_factor > 0)
 
 
+@functools.cache
+def data_fsdp_all_to_all_bytes(capacity_factor):
+  """The all-to-all bytes over `fsdp` of the compiled step of data=2 x fsdp=4
+  (the tokens a device of tensor=2 x fsdp=4 holds): compiled once for the
+  cases of a capacity factor."""
+  setup = build(micro_config(**MOE, **{"model.moe.capacity_factor": capacity_factor,
+                                       "mesh.data": 2, "mesh.fsdp": 4}))
+  return step_collectives(compile_step(setup), setup.mesh)["all-to-all", "fsdp"]["bytes"]
+
+
 # The compiled step of tensor=2 x fsdp=4: (capacity factor, Megatron-SP).
 TENSOR_STEP = {"tp": (0.0, False), "megatron-sp": (0.0, True),
                "megatron-sp, capacity 1.25": (1.25, True)}
@@ -696,9 +717,8 @@ def test_tensor_devices_dispatch_their_share_of_the_tokens(case):
                                "tensor_sequence_parallel": sequence_parallel})
   setup = build(cfg)
   measured = step_collectives(compile_step(setup), setup.mesh)
-  data_setup = build(micro_config(**moe, **{"mesh.data": 2, "mesh.fsdp": 4}))
-  same_tokens = step_collectives(compile_step(data_setup), data_setup.mesh)
-  assert measured["all-to-all", "fsdp"]["bytes"] == same_tokens["all-to-all", "fsdp"]["bytes"]
+  same_tokens = data_fsdp_all_to_all_bytes(capacity_factor)
+  assert measured["all-to-all", "fsdp"]["bytes"] == same_tokens
   planned = {(c["kind"], c["axis"]): c for c in plan(cfg, 8, False)["collectives"]}
   checked = [("all-to-all", "fsdp"), ("all-gather", "tensor"), ("reduce-scatter", "tensor"),
              *([("all-to-all", "tensor")] if capacity_factor else [])]

@@ -369,22 +369,33 @@ def test_local_sgd_with_one_inner_step_trains_the_modules_as_data_parallel_sgd()
                jax.device_get(state.outer.params), ref_params)
 
 
+def half_precision_metrics(working):
+  """Each step's metrics of a routed module on fsdp=8 in `working`; asserts
+  that no step overflowed."""
+  batches = random_batches(STEPS, 16, 16, 64)
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
+                        "compute_dtype": working, "model.mtp_layers": 1})
+  cfg.model.moe.update(MOE)
+  *_, logged = meshtrain_run(cfg, batches, with_metrics=True)
+  assert logged[-1]["nonfinite_steps"] == 0
+  return logged
+
+
+@pytest.fixture(scope="module")
+def float32_metrics():
+  """The float32 run both half precisions are compared with, trained once."""
+  return half_precision_metrics("float32")
+
+
 @pytest.mark.parametrize("dtype", tiered(["bfloat16", "float16"], ()))
-def test_half_precision_tracks_float32(dtype):
+def test_half_precision_tracks_float32(dtype, float32_metrics):
   """bfloat16, and float16 with loss scaling, with a routed module on
   fsdp=8: the losses and `mtp_loss` stay within rounding of the float32 run
   (which equals the plain loss above), and no step overflows."""
-  batches = random_batches(STEPS, 16, 16, 64)
-  logged = {}
-  for working in ("float32", dtype):
-    cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "param_dtype": working,
-                          "compute_dtype": working, "model.mtp_layers": 1})
-    cfg.model.moe.update(MOE)
-    *_, logged[working] = meshtrain_run(cfg, batches, with_metrics=True)
-    assert logged[working][-1]["nonfinite_steps"] == 0
+  logged = half_precision_metrics(dtype)
   for key in ("loss", "mtp_loss"):
-    np.testing.assert_allclose([m[key] for m in logged[dtype]],
-                               [m[key] for m in logged["float32"]], atol=0.03)
+    np.testing.assert_allclose([m[key] for m in logged],
+                               [m[key] for m in float32_metrics], atol=0.03)
 
 
 def test_plan_counts_the_modules_residuals_as_the_compiled_forward_saves_them():

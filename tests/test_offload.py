@@ -38,18 +38,28 @@ SETTINGS = {"optimizer": (("embed", "head", "layers"), True), "params": (("layer
             "optimizer+params": (("embed", "head", "layers"), True)}
 
 
+def offload_run(offload=()):
+  """meshtrain's run of the micro config on fsdp=8 with `offload`'s parts
+  (config.offload) on the host: setup, initial weights, losses, final weights."""
+  cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8,
+                        **{f"offload.{part}": True for part in offload}})
+  batches = random_batches(3, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  return meshtrain_run(cfg, batches)
+
+
+@pytest.fixture(scope="module")
+def without_offload():
+  """The run every setting is compared with: trained once for the module."""
+  return offload_run()[2:]
+
+
 @pytest.mark.parametrize("setting", tiered(SETTINGS, ("optimizer+params",)))
-def test_offloaded_state_lies_on_the_host_and_trains_the_same(setting):
+def test_offloaded_state_lies_on_the_host_and_trains_the_same(setting, without_offload):
   """Against the same run without offload: equal losses and weights; the state
   `config.offload` names lies in pinned host memory, and the compiled step
   takes exactly those bytes from the host, which `meshtrain plan` counts."""
-  runs = {}
-  for offload in ((), setting.split("+")):
-    cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8,
-                          **{f"offload.{part}": True for part in offload}})
-    batches = random_batches(3, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
-    setup, _, losses, params = meshtrain_run(cfg, batches)
-    runs[bool(offload)] = losses, params
+  setup, _, losses, params = offload_run(setting.split("+"))
+  runs = {True: (losses, params), False: without_offload}
   state = setup.init_state()
   on_host, optimizer = SETTINGS[setting]
   for name, subtree in state.params.items():
