@@ -19,6 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+import meshtrain  # noqa: E402,F401  (first: jax's CUDA plugin without a driver, quietly)
 from report import write_section  # noqa: E402
 
 GIB = 2**30
