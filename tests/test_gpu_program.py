@@ -247,15 +247,32 @@ def test_the_1b_presets_gradient_reduce_scatters_run_under_matmuls(llama_1b_on_8
 
 @pytest.mark.slow
 def test_plan_of_the_1b_preset_is_near_the_compiled_gpu_program(llama_1b_on_8_h100s):
-  """Per device, bfloat16: plan's memory within 15% of the GPU program's (11%
-  under today: docs/gpu_program.md), its collectives' bytes within 25% a kind."""
+  """Per device, bfloat16: plan's memory within 10% of the GPU program's (4%
+  over today: docs/gpu_program.md), its collectives' bytes within 25% a kind."""
   analytic, measured = (llama_1b_on_8_h100s[side] for side in ("analytic", "measured"))
   ratio = analytic["memory_bytes"]["total"] / measured["memory_bytes"]["total"]
-  assert abs(ratio - 1) < 0.15, ratio
+  assert abs(ratio - 1) < 0.10, ratio
   for kind in ("all-gather", "reduce-scatter"):
     planned, compiled = (sum(c["bytes"] for c in side["collectives"] if c["kind"] == kind)
                          for side in (analytic, measured))
     assert abs(planned / compiled - 1) < 0.25, (kind, planned, compiled)
+
+
+@pytest.mark.slow
+def test_plan_of_the_70b_pipeline_is_near_the_compiled_gpu_program():
+  """The 70B preset on 256 H100s, pipeline=4 x tensor=8 x data=8, 1F1B over
+  16 microbatches: plan's memory a device within 10% of the GPU program's
+  (9% under today; it was 0.28x before the plan counted B's cut as the
+  executor's split holds it and the program stopped copying the stashes)."""
+  sys.path.insert(0, str(REPO / "configs"))
+  import llama_70b  # noqa: PLC0415
+  cfg = llama_70b.get_config()
+  cfg.mesh.update(data=8, tensor=8, pipeline=4, across_hosts="data,pipeline")
+  cfg.pipeline.microbatches = 16
+  report = plan(cfg, 256, compile_step=False, target=gpu_targets.parse("h100:32x8"))
+  ratio = (report["analytic"]["memory_bytes"]["total"]
+           / report["measured"]["memory_bytes"]["total"])
+  assert abs(ratio - 1) < 0.10, ratio
 
 
 @pytest.mark.slow

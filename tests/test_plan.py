@@ -146,6 +146,20 @@ def test_flash_attention_stores_no_scores():
   assert dropped >= m.num_layers * per_device_scores
 
 
+def test_flash_attention_drops_the_scores_alone_when_the_width_equals_the_length():
+  """A layer's [rows, length, embed] activations of a model as wide as its
+  length (the 1B preset: 2,048 and 2,048) look like [length, length] scores;
+  flash attention drops the same bytes as for a wider model, whose scores
+  are the same."""
+  def dropped(width):
+    xla, cudnn = (micro_config(**{"attention.implementation": impl, "seq_len": 32,
+                                  "model.embed_dim": width}) for impl in ("xla", "cudnn"))
+    mesh = abstract_mesh(xla.mesh, 8)
+    rules = sharding_rules(xla, mesh)
+    return activation_bytes(xla, mesh, rules) - activation_bytes(cudnn, mesh, rules)
+  assert dropped(32) == dropped(48) > 0
+
+
 def test_zero1_and_zero2_are_one_program_without_accumulation():
   """At grad_accum_steps=1 the `grads` rules lay out nothing (no accumulator),
   so ZeRO-1 and ZeRO-2 compile to the same program, and plan gives them the

@@ -503,7 +503,16 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
                                     mesh, rules)
   return sum(x.device_bytes for x in saved if x.on_host == on_host
-             and not (flash and x.shape[-2:] == (cfg.seq_len, cfg.seq_len)))
+             and not (flash and attention_scores(x.shape, cfg, rows)))
+
+
+def attention_scores(shape: tuple[int, ...], cfg, rows: int) -> bool:
+  """Whether a residual of `shape`, traced on `rows` sequences, is the
+  attention's [..., length, length] scores (which a flash kernel never
+  keeps), not a [..., rows, length, embed] activation of a model whose width
+  equals its length (the 1B preset's 2,048, Mixtral's 4,096)."""
+  return (tuple(shape[-2:]) == (cfg.seq_len, cfg.seq_len)
+          and tuple(shape[-3:]) != (rows, cfg.seq_len, cfg.model.embed_dim))
 
 
 def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> dict[str, int]:
@@ -607,11 +616,32 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
 
 
 def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
-  """What one layer's backward holds at its peak beyond the saved residuals:
-  its forward's intermediates (recomputed under `remat`) and their
-  cotangents. Against the compiled step (bench/plan_memory.py) that is about
-  two layers' residuals without recomputation, whatever the policy."""
-  return 2 * layer_and_head_residuals(cfg, mesh, rules, _microbatch_rows(cfg, mesh), "none")[0]
+  """What the backward holds at its peak beyond the saved residuals. One
+  layer's backward: its forward's intermediates (recomputed under `remat`)
+  and their cotangents, against the compiled step (bench/plan_memory.py)
+  about two layers' residuals without recomputation, whatever the policy.
+  Without a pipeline the head's backward runs first, beside the logits in
+  the compute dtype (`logits_bytes`), and the head's residuals are freed
+  before the first layer's backward starts (read from the GPU program,
+  docs/gpu_program.md): the peak is the larger of the two. A pipeline's
+  stage keeps the head's stash while other microbatches' layers run."""
+  rows = _microbatch_rows(cfg, mesh)
+  layer = 2 * layer_and_head_residuals(cfg, mesh, rules, rows, "none")[0]
+  if _sizes(mesh)["pipeline"] > 1:
+    return layer
+  head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat)[1]
+  return max(logits_bytes(cfg, mesh, rules, rows), layer - head)
+
+
+def logits_bytes(cfg, mesh, rules: r.ShardingRules, rows: int) -> int:
+  """Per-device bytes of the head's logits on `rows` sequences, in the
+  compute dtype, split as the rules split [batch, length, vocabulary]."""
+  spec = r.logical_to_spec((r.BATCH, r.LENGTH, r.ACT_VOCAB), rules.params)
+  sizes = _sizes(mesh)
+  split = [_prod([a for a in ((p,) if isinstance(p, str) else p or ()) if sizes[a] > 1], mesh)
+           for p in spec]
+  shape = (rows, cfg.seq_len, cfg.model.vocab_size)
+  return math.prod(-(-n // k) for n, k in zip(shape, split)) * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def _device_bytes(abstract, shardings) -> int:

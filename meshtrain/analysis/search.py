@@ -274,7 +274,7 @@ class _ActivationModel:
       by_kind = collections.Counter()
       for x, stacked in values:
         axes = {a for split in x.spec for a in split}
-        scores = x.shape[-2:] == (self.cfg.seq_len, self.cfg.seq_len)
+        scores = plan_lib.attention_scores(x.shape, self.cfg, rows * sizes["data"])
         by_kind[("tensor" in axes, "sequence" in axes, stacked, scores)] += x.device_bytes
       return by_kind
 
@@ -523,6 +523,10 @@ class StepModel:
                                              c.sequence_strategy, split, cut=True)
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
                                           c.sequence_strategy, split)[0]
+    if sizes["pipeline"] == 1:  # `plan.backward_bytes`
+      logits = (rows / replicas * cfg.seq_len / sizes["sequence"] * cfg.model.vocab_size
+                / sizes["tensor"] * jnp.dtype(cfg.compute_dtype).itemsize)
+      backward = max(logits, backward - head)
     return int(inputs + held["res"] * saved + held["cut"] * cut + held["head_res"] * head
                + held["head_cut"] * head_cut), int(backward)
 
