@@ -550,11 +550,16 @@ def split_values(spec, cfg, rows: int, mesh, rules) -> dict[str, list[residuals.
   layer_names = {"params": jax.tree.map(lambda n: n[1:], names["layers"], is_leaf=is_names),
                  "state": jax.tree.map(lambda a: (None,) * a.ndim, layer_p["state"])}
   table = pipelined.uses_table(spec)
-  head_p = {"head": params["head"], "table": params["embed"] if table else {}, "mtp": {}}
-  head_names = {"head": names["head"], "table": names["embed"] if table else {}, "mtp": {}}
+  mtp_p = {"params": params["mtp"], "state": state.get("mtp", {})} if "mtp" in params else {}
+  head_p = {"head": params["head"], "table": params["embed"] if table else {}, "mtp": mtp_p}
+  head_names = {"head": names["head"], "table": names["embed"] if table else {},
+                "mtp": {"params": names["mtp"],
+                        "state": jax.tree.map(lambda a: (None,) * a.ndim, mtp_p["state"])}
+                if mtp_p else {}}
   x = jax.ShapeDtypeStruct((rows, cfg.seq_len, cfg.model.embed_dim), jnp.dtype(cfg.compute_dtype))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
-  aux = {k: v for k, v in jax.eval_shape(with_loss_weights, batch).items() if k != "inputs"}
+  aux = {k: v for k, v in jax.eval_shape(lambda b: with_loss_weights(b, cfg.model.mtp_layers),
+                                         batch).items() if k != "inputs"}
   aux_names = jax.tree.map(lambda a: (r.BATCH, r.LENGTH) + (None,) * (a.ndim - 2), aux)
   out = {}
   for name, fn, p, p_names in (("", pieces["layer_fn"], layer_p, layer_names),
@@ -610,9 +615,13 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
   inputs = (held["inputs"] * per_device_rows * length * m.embed_dim
             * jnp.dtype(cfg.compute_dtype).itemsize)
   per_microbatch = split_bytes(cfg, mesh, rules, rows)
-  layers = stage_layers(cfg)[1]
-  return inputs + sum(held[name] * per_microbatch[name] * (layers if name in ("res", "cut") else 1)
-                      for name in per_microbatch)
+  # The head's and loss's: what the whole model keeps for them, in each of
+  # their slots (their backward in B, the prediction modules' included,
+  # holds about that beside the stash: tests/test_mtp.py).
+  head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat)[1]
+  return (inputs + stage_layers(cfg)[1] * (held["res"] * per_microbatch["res"]
+                                           + held["cut"] * per_microbatch["cut"])
+          + (held["head_res"] + held["head_cut"]) * head)
 
 
 def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:

@@ -245,8 +245,8 @@ class _ActivationModel:
     sequence?, stacked over layers?, attention scores?): (bytes a device
     holds whatever its rows, bytes a row), the line through TRACED_ROWS and
     twice that sequences a device. With `cut`, instead of the residuals
-    what a pipeline's B leaves W (`plan.split_values`): one layer's counted
-    as TRACED_LAYERS layers stacked, and the head's."""
+    what a pipeline's B leaves W (`plan.split_values`), one layer's counted
+    as TRACED_LAYERS layers stacked."""
     sizes = {"data": max(experts, 2), "tensor": 2 if tensor else 1,
              "sequence": 2 if strategy else 1}
     mesh = _abstract_mesh(sizes)
@@ -262,10 +262,10 @@ class _ActivationModel:
     def kinds(rows: int) -> collections.Counter:
       batch = {k: jax.ShapeDtypeStruct((rows * sizes["data"], self.cfg.seq_len), jnp.int32)
                for k in ("inputs", "targets")}
-      if cut:  # one layer's, counted as TRACED_LAYERS stacked, and the head's
+      if cut:  # one layer's, counted as TRACED_LAYERS stacked
         kept = plan_lib.split_values(spec, cfg, rows * sizes["data"], mesh, rules)
-        values = ([(dataclasses.replace(x, device_bytes=x.device_bytes * TRACED_LAYERS), True)
-                   for x in kept["cut"]] + [(x, False) for x in kept["head_cut"]])
+        values = [(dataclasses.replace(x, device_bytes=x.device_bytes * TRACED_LAYERS), True)
+                  for x in kept["cut"]]
       else:
         values = [(x, x.shape[:1] == (TRACED_LAYERS,) and not x.spec[0])  # not a scalar's
                   for x in residuals.saved_residuals(plan_lib.llama_loss(spec),
@@ -310,7 +310,7 @@ class _ActivationModel:
     `rows` sequences per device (sequence parallelism whenever `tensor`
     splits; under `sequence`, context-parallel `strategy`, default the
     config's; the routed experts split over `experts` devices); with `cut`,
-    what a pipeline's B leaves W for `layers` layers, and for the head."""
+    what a pipeline's B leaves W for `layers` layers."""
     t, s = sizes["tensor"], sizes["sequence"]
     totals = [0.0, 0.0]
     strategy = (strategy or self.cfg.attention.sequence_strategy) if s > 1 else None
@@ -507,7 +507,7 @@ class StepModel:
     replicas = sizes["data"] * sizes["fsdp"]
     rows = cfg.global_batch // c.grad_accum_steps
     layers = cfg.model.num_layers
-    inputs, cut, head_cut = 0.0, 0.0, 0.0
+    inputs, cut = 0.0, 0.0
     held = {"res": 1, "cut": 0, "head_res": 1, "head_cut": 0}
     if sizes["pipeline"] > 1:
       held = plan_lib.pipeline_slots(cfg, sizes["pipeline"], c.microbatches, c.virtual_stages)
@@ -519,16 +519,16 @@ class StepModel:
     saved, head = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
                                          c.sequence_strategy, split)
     if sizes["pipeline"] > 1:
-      cut, head_cut = self.activations.bytes(sizes, c.remat, rows / replicas, layers,
-                                             c.sequence_strategy, split, cut=True)
+      cut = self.activations.bytes(sizes, c.remat, rows / replicas, layers, c.sequence_strategy,
+                                   split, cut=True)[0]
     backward = 2 * self.activations.bytes(sizes, "none", rows / replicas, 1,
                                           c.sequence_strategy, split)[0]
     if sizes["pipeline"] == 1:  # `plan.backward_bytes`
       logits = (rows / replicas * cfg.seq_len / sizes["sequence"] * cfg.model.vocab_size
                 / sizes["tensor"] * jnp.dtype(cfg.compute_dtype).itemsize)
       backward = max(logits, backward - head)
-    return int(inputs + held["res"] * saved + held["cut"] * cut + held["head_res"] * head
-               + held["head_cut"] * head_cut), int(backward)
+    return int(inputs + held["res"] * saved + held["cut"] * cut
+               + (held["head_res"] + held["head_cut"]) * head), int(backward)
 
   def buffer_bytes(self, cfg, c: Candidate) -> int:
     """Two layers of gathered working weights (the one running and the one
