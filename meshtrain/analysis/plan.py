@@ -528,7 +528,7 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
 
 def split_bytes(cfg, mesh, rules, rows: int) -> dict[str, int]:
   """Per-device bytes in device memory that a pipeline's split backward keeps
-  for one microbatch of `rows` sequences (`split_values`)."""
+  of one layer for one microbatch of `rows` sequences (`split_values`)."""
   spec = llama_spec(traced_model(cfg, 1, cfg.remat, run_device(mesh)),
                     slots(cfg, mesh, implementation="xla"))
   return {name: sum(v.device_bytes for v in values if not v.on_host)
@@ -536,46 +536,34 @@ def split_bytes(cfg, mesh, rules, rows: int) -> dict[str, int]:
 
 
 def split_values(spec, cfg, rows: int, mesh, rules) -> dict[str, list[residuals.Residual]]:
-  """What a pipeline's split backward (`split.split_vjp`) keeps for one
-  microbatch of `rows` sequences, each value with its layout: one layer's F
+  """What a pipeline's split backward (`split.split_vjp`) keeps of one layer
+  for one microbatch of `rows` sequences, each value with its layout: F's
   stash (`res`) and the cut B leaves for W (`cut`: the weight matmuls' inputs
-  and output gradients), and the head's and loss's (`head_res`, `head_cut`).
-  Traced from the pieces the executor runs (`pipelined.model_pieces`) for
-  `spec`'s model under `cfg.remat`, laid out by the rules."""
-  pieces, names = pipelined.model_pieces(spec, cfg.remat), spec.names
+  and output gradients). Traced from the layer the executor runs
+  (`pipelined.model_pieces`) for `spec`'s model under `cfg.remat`, laid out
+  by the rules."""
+  layer_fn, names = pipelined.model_pieces(spec, cfg.remat)["layer_fn"], spec.names
   params, state = spec.abstract_params, jax.eval_shape(spec.init_model_state) or {}
   one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
   is_names = lambda n: isinstance(n, tuple)  # noqa: E731
   layer_p = {"params": one(params["layers"]), "state": one(state.get("layers", {}))}
   layer_names = {"params": jax.tree.map(lambda n: n[1:], names["layers"], is_leaf=is_names),
                  "state": jax.tree.map(lambda a: (None,) * a.ndim, layer_p["state"])}
-  table = pipelined.uses_table(spec)
-  mtp_p = {"params": params["mtp"], "state": state.get("mtp", {})} if "mtp" in params else {}
-  head_p = {"head": params["head"], "table": params["embed"] if table else {}, "mtp": mtp_p}
-  head_names = {"head": names["head"], "table": names["embed"] if table else {},
-                "mtp": {"params": names["mtp"],
-                        "state": jax.tree.map(lambda a: (None,) * a.ndim, mtp_p["state"])}
-                if mtp_p else {}}
   x = jax.ShapeDtypeStruct((rows, cfg.seq_len, cfg.model.embed_dim), jnp.dtype(cfg.compute_dtype))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
-  aux = {k: v for k, v in jax.eval_shape(lambda b: with_loss_weights(b, cfg.model.mtp_layers),
-                                         batch).items() if k != "inputs"}
+  aux = {k: v for k, v in jax.eval_shape(with_loss_weights, batch).items() if k != "inputs"}
   aux_names = jax.tree.map(lambda a: (r.BATCH, r.LENGTH) + (None,) * (a.ndim - 2), aux)
-  out = {}
-  for name, fn, p, p_names in (("", pieces["layer_fn"], layer_p, layer_names),
-                               ("head_", pieces["loss_fn"], head_p, head_names)):
-    counts = {}
+  stashed = {}
 
-    def stash_and_cut(p, x, aux, fn=fn, counts=counts):
-      split = split_vjp(fn, p, x, aux)
-      y, stash, _ = split.forward(p, x, aux)
-      counts["res"] = len(stash)
-      return stash, split.backward_input(p, aux, stash, y)[1]  # y: a gradient laid out as it
-    leaves = jax.tree.leaves([p_names, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED), aux_names],
-                             is_leaf=is_names)
-    values = residuals.output_layouts(stash_and_cut, (p, x, aux), leaves, mesh, rules)
-    out[name + "res"], out[name + "cut"] = values[:counts["res"]], values[counts["res"]:]
-  return out
+  def stash_and_cut(p, x, aux):
+    split = split_vjp(layer_fn, p, x, aux)
+    y, stash, _ = split.forward(p, x, aux)
+    stashed["count"] = len(stash)
+    return stash, split.backward_input(p, aux, stash, y)[1]  # y: a gradient laid out as it
+  leaves = jax.tree.leaves([layer_names, (r.BATCH, r.RES_LENGTH, r.ACT_EMBED), aux_names],
+                           is_leaf=is_names)
+  values = residuals.output_layouts(stash_and_cut, (layer_p, x, aux), leaves, mesh, rules)
+  return {"res": values[:stashed["count"]], "cut": values[stashed["count"]:]}
 
 
 def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,
