@@ -105,25 +105,32 @@ def _unraisablehook(unraisable):
    or _Quiet.saved[1](unraisable))
 
 
-def _quiet_leftovers() -> None:
-  """After a failed restore: orbax's other reads go on, their callbacks meet
-  the closed loop and their coroutines are collected unfinished, any time
-  until the process exits (which the run's one error line is about to do).
-  Wraps the hooks in place (once) so that only those reports are dropped;
-  `_Quiet` and the absl log filter are left as they are."""
-  if getattr(sys.unraisablehook, "quiets_orbax", False):
-    return
-  unraisable_next, except_next = sys.unraisablehook, sys.excepthook
+def _quieted(except_next, unraisable_next) -> tuple:
+  """Hooks that drop orbax's leftover reports and hand the rest on."""
+  def excepthook(kind, value, tb):
+    _closed_loop(value, tb) or except_next(kind, value, tb)
 
   def unraisablehook(unraisable):
     (_closed_loop(unraisable.exc_value, unraisable.exc_traceback) or _orbax_coroutine(unraisable)
      or unraisable_next(unraisable))
 
-  def excepthook(kind, value, tb):
-    _closed_loop(value, tb) or except_next(kind, value, tb)
-
   unraisablehook.quiets_orbax = True
-  sys.unraisablehook, sys.excepthook = unraisablehook, excepthook
+  return excepthook, unraisablehook
+
+
+def _quiet_leftovers() -> None:
+  """After a failed restore: orbax's other reads go on, their callbacks meet
+  the closed loop and their coroutines are collected unfinished, any time
+  until the process exits (which the run's one error line is about to do).
+  Wraps the hooks in place (once) so that only those reports are dropped;
+  while `_Quiet`'s hooks are installed it wraps those they hand on to (and
+  close puts back), so that no hook ends up handing on to itself. The absl
+  log filter is left as it is."""
+  if sys.unraisablehook is _unraisablehook:
+    if not getattr(_Quiet.saved[1], "quiets_orbax", False):
+      _Quiet.saved = _quieted(*_Quiet.saved)
+  elif not getattr(sys.unraisablehook, "quiets_orbax", False):
+    sys.excepthook, sys.unraisablehook = _quieted(sys.excepthook, sys.unraisablehook)
 
 
 def _not_about_a_failed_save(record: logging.LogRecord) -> bool:

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import threading
+import types
 from pathlib import Path
 
 import jax
@@ -323,6 +324,26 @@ def _unraisable(loop, in_thread: bool) -> None:
 def _orbax_record(message: str) -> logging.LogRecord:
   return logging.LogRecord("absl", logging.ERROR, "/lib/site-packages/orbax/checkpoint/x.py", 1,
                            message, None, None)
+
+
+def test_quieting_a_failed_restores_leftovers_twice_hands_other_reports_on(tmp_path, monkeypatch):
+  """A failed restore inside an open checkpointer, closed, then another
+  opened and failing again in the same process (a notebook, the tests): each
+  unrelated report still reaches the original hook once, with no hook
+  handing on to itself (a RecursionError at exit, before)."""
+  seen = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_value))
+  monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args[1]))
+  monkeypatch.setattr(checkpoint._Quiet, "users", 0)
+  for _ in range(2):
+    checkpoints = Checkpoints(tmp_path / "checkpoints", config_key="test")
+    checkpoint._quiet_leftovers()
+    checkpoints.close()
+  error = ValueError("unrelated")
+  sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=error,
+                                           exc_traceback=None, err_msg=None, object=None))
+  sys.excepthook(ValueError, ValueError("also unrelated"), None)
+  assert [str(e) for e in seen] == ["unrelated", "also unrelated"]
 
 
 def test_the_checkpointer_quiets_only_its_noise_and_puts_the_hooks_back(tmp_path, monkeypatch):
