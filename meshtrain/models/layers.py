@@ -58,8 +58,14 @@ def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
   saved, it is a weight-sized residual in every layer (the q/k/v and gate/up
   concatenations: 285 MB per llama_8b layer). Only the cheap cast and
   concatenation run twice; the matmul's output is not needed to differentiate
-  it, so its recomputation is dead code."""
-  @jax.checkpoint
+  it, so its recomputation is dead code. Made for the layers' loop, where the
+  forward and the backward are separate loops and nothing can merge the two
+  casts: the recomputation takes no optimisation barrier (`prevent_cse=False`),
+  which would keep each layer's weight all-gather in its own iteration of the
+  backward instead of prefetched under the previous one (docs/gpu_program.md).
+  Outside a loop (the multi-token prediction modules under `remat="none"`)
+  XLA may merge the two and keep the module's cast weights to its backward."""
+  @functools.partial(jax.checkpoint, prevent_cse=False)
   def matmul(x, *weights):
     return jnp.einsum(equation, x, fuse(*(w.astype(x.dtype) for w in weights)))
   return matmul(x, *weights)

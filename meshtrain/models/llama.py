@@ -475,8 +475,10 @@ def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | Non
   `segment_ids_BxL`, attention stays inside each packed document. Positions
   default to `default_positions`; each layer's weights pass through
   `layer_weights` (`Slots.layer_weights`) as it runs, forward and again in
-  its backward. Returns the output and the routed layers' counts stacked over
-  the layers (None for dense ones)."""
+  its backward. The recomputation takes no optimisation barrier (the scan
+  keeps the forward and the backward apart), so XLA may prefetch each layer's
+  gathered weights under the previous layer. Returns the output and the
+  routed layers' counts stacked over the layers (None for dense ones)."""
   if positions_BxL is None:
     positions_BxL = default_positions(x_BxLxD, segment_ids_BxL)
   graphdef, layer_state = nnx.split(layers)
@@ -486,9 +488,9 @@ def run_layers(layers: Block, x_BxLxD: jax.Array, positions_BxL: jax.Array | Non
     return block.forward(x_BxLxD, positions_BxL, segment_ids_BxL)
 
   if remat != "none":
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
   elif layer_weights is not None:
-    layer = jax.checkpoint(layer, policy=FETCHED_WEIGHTS_POLICY)
+    layer = jax.checkpoint(layer, policy=FETCHED_WEIGHTS_POLICY, prevent_cse=False)
   return jax.lax.scan(layer, x_BxLxD, layer_state)
 
 
