@@ -24,7 +24,7 @@ import meshtrain.config
 from meshtrain import (distributed, flag_parsing, generate, gpu_targets, launch, usage, validate,
                        workdir as saved_run)
 from meshtrain.analysis import clusters, search, selfcheck, verdict
-from meshtrain.analysis.plan import device_memory, format_plan, plan
+from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
@@ -37,6 +37,7 @@ from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.relayout import read_saved
 from meshtrain.train.setup import build, with_packing
+from meshtrain.train.state_memory import device_memory
 
 # The args ml_collections reads the --config.KEY overrides from: this command's
 # own, set by `_parse_flags` (not sys.argv, which holds launch's command after --

@@ -15,11 +15,12 @@ import pytest
 from conftest import micro_config, step_collectives, tiered
 from meshtrain.analysis import hlo, trace
 from meshtrain.analysis.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
-                                     split_bytes, stacked_slots, stage_layers)
+                                     split_bytes, stage_layers)
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
 from meshtrain.train.parallelize import llama_spec, model_config
 from meshtrain.train.setup import build, sharding_rules
+from meshtrain.train.state_memory import stacked_slots
 
 STRATEGIES = {
     "tp": dict(mesh=dict(data=2, tensor=4)),

@@ -11,7 +11,7 @@ The analytic model follows each weight through the three layouts of
       the remaining batch axes, once per step--> optimizer
 
 (a pipeline's stages keep float32 sums instead, reduced after the last tick:
-`pipeline_sums`).
+`state_memory.pipeline_sums`).
 
 "Batch axes" are the mesh axes that split the batch (`data`, `fsdp`); the other
 axes a weight is split over (`tensor`) stay split in compute. Uneven pipeline
@@ -30,7 +30,6 @@ import collections
 import dataclasses
 import functools
 import math
-import os
 import time
 
 import jax
@@ -40,7 +39,6 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import gpu_targets, rules as r
 from meshtrain.analysis import clusters, costs, gpu_program, hlo, residuals
-from meshtrain.errors import ConfigError
 from meshtrain.models import flops, mla
 from meshtrain.mesh import AXES, axis_sizes, make_mesh
 from meshtrain.parallel import experts, sequence
@@ -50,50 +48,25 @@ from meshtrain.train.loss import model_loss, with_loss_weights
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
                                          slots, stage_layout)
 from meshtrain.train.state import merged
-
-BATCH_AXES = ("data", "fsdp")
+from meshtrain.train.state_memory import BATCH_AXES, leaf_layouts, prod, sizes, state_bytes
 
 
 def abstract_mesh(mesh_cfg, num_devices: int) -> AbstractMesh:
-  sizes = axis_sizes(mesh_cfg, num_devices)
-  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-
-
-@functools.cache  # a search asks for the same weights under the same few tables
-def _spec_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
-  return frozenset(jax.tree.leaves(tuple(r.logical_to_spec(names, rules))))
-
-
-@functools.cache
-def _expert_axes(names: tuple, rules: r.Rules) -> frozenset[str]:
-  """The mesh axes that split a weight's `experts` dimension (expert parallelism):
-  each device computes with its own experts, gathers none over these axes and
-  reduces none of their gradients there."""
-  spec = r.logical_to_spec(names, rules)
-  return frozenset(a for name, part in zip(names, spec) if name == r.EXPERTS
-                   for a in jax.tree.leaves(part))
+  axis_size = axis_sizes(mesh_cfg, num_devices)
+  return AbstractMesh(tuple(axis_size[a] for a in AXES), AXES,
+                      axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def _length_axes(rules: r.ShardingRules, mesh) -> set[str]:
   """The mesh axes that split the residual stream's length (`sequence`, and
   `tensor` under Megatron-SP), by the rules the model traces under."""
-  return {a for a in dict(rules.params).get(r.RES_LENGTH, ()) if _sizes(mesh)[a] > 1}
+  return {a for a in dict(rules.params).get(r.RES_LENGTH, ()) if sizes(mesh)[a] > 1}
 
 
 def _sequence_parallel(rules: r.ShardingRules, mesh) -> bool:
   """Whether the residual stream comes split by the length over `tensor`
   (Megatron-SP)."""
   return "tensor" in _length_axes(rules, mesh)
-
-
-@functools.lru_cache(maxsize=4096)  # meshes are interned: one entry each
-def _sizes(mesh) -> dict[str, int]:
-  """`mesh.shape`, made once (jax makes a new dict at every read of it)."""
-  return dict(mesh.shape)
-
-
-def _prod(axes, mesh) -> int:
-  return math.prod(_sizes(mesh)[a] for a in axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +78,7 @@ class _Comm:
   """Analytic collectives on one mesh, summed by (kind, axis)."""
 
   def __init__(self, mesh):
-    self.sizes = _sizes(mesh)
+    self.sizes = sizes(mesh)
     self.totals = collections.defaultdict(lambda: [0, 0])
 
   def add(self, kind: str, axes, operand_bytes: float, count: float = 1) -> None:
@@ -129,13 +102,6 @@ class _Comm:
             for (k, a), (c, b) in sorted(self.totals.items())]
 
 
-class _Uncounted(_Comm):
-  """A `_Comm` that counts nothing: for the memory alone."""
-
-  def add(self, *args, **kwargs) -> None:
-    pass
-
-
 def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None,
              collectives: bool = True) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step;
@@ -147,66 +113,43 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
-  sizes = _sizes(mesh)
-  batch_axes = {a for a in BATCH_AXES if sizes[a] > 1}
+  axis_size = sizes(mesh)
+  batch_axes = {a for a in BATCH_AXES if axis_size[a] > 1}
   # Gradients are summed over every axis that splits the tokens (with sequence
   # parallelism `tensor` too, for the weights it does not split: norm scales).
   length_axes = _length_axes(rules, mesh)
   token_axes = batch_axes | length_axes
   per_replica = accum > 1 and "data" in batch_axes
-  pipelined = sizes["pipeline"] > 1
+  pipelined = axis_size["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
 
-  m = cfg.model
-  memory = dict.fromkeys(("params", "grads", "optimizer", "activations", "backward"), 0.0)
-  host = 0.0  # what `config.offload` keeps in pinned host memory
-  comm = _Comm(mesh) if collectives else _Uncounted(mesh)
-  layer_slots = stacked_slots(cfg)
-  for names, leaf in zip(jax.tree.leaves(spec.names, is_leaf=lambda x: isinstance(x, tuple)),
-                         jax.tree.leaves(spec.abstract_params)):
-    p_axes, g_axes, o_axes = (_spec_axes(names, t) for t in (rules.params, rules.grads, rules.optimizer))
-    experts = _expert_axes(names, rules.params)
-    gathered = batch_axes - experts  # batch axes that split the weight for storage only
-    # Stacked layers as the pipeline's slots hold them.
-    size = (leaf.size // leaf.shape[0] * layer_slots if layer_slots and names[0] == r.LAYERS
-            else leaf.size)
-    compute = size / _prod(p_axes - gathered, mesh)   # elements one device computes with
-    working, master = compute / _prod(p_axes & gathered, mesh), size / _prod(o_axes, mesh)
-    # With one microbatch nothing accumulates: each layer's gradients go straight
-    # into the optimizer layout (XLA reduce-scatters them inside the backward's
-    # scan), so ZeRO-1 and ZeRO-2 compile to one program; the `grads` rules
-    # only lay out an accumulator.
-    grads = compute / _prod((g_axes if accum > 1 else o_axes) & gathered, mesh)
-    layers = m.num_layers if names[0] == r.LAYERS else 1  # stacked: one op per layer
-    same = cfg.param_dtype == "float32" and p_axes == o_axes  # the working copy is the master
-    streamed = cfg.offload.params and layers > 1  # fetched one layer at a time
-    master_on_host = cfg.offload.optimizer or streamed
-    host += 4 * master * master_on_host + 8 * master * cfg.offload.optimizer
-    memory["params"] += (4 * master if same else param_bytes * working) / (layers if streamed else 1)
-    memory["optimizer"] += (8 * master * (not cfg.offload.optimizer)
-                            + 4 * master * (not same and not master_on_host))
-    memory["grads"] += (4 * pipeline_sums(compute, p_axes & gathered, mesh) if pipelined
-                        else grad_bytes * grads)
-
-    comm.add("all-gather", o_axes - p_axes, param_bytes * working)
-    comm.add("all-gather", p_axes & gathered, param_bytes * compute / layers,
-             _gathers(names, cfg, pipelined and "fsdp" in p_axes & gathered))
+  layouts = leaf_layouts(cfg, spec, rules, mesh)
+  state = state_bytes(cfg, spec, rules, mesh, layouts)
+  host = state["host"]  # what `config.offload` keeps in pinned host memory
+  memory = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+            "activations": 0.0, "backward": 0.0}
+  comm = _Comm(mesh)
+  for leaf in layouts if collectives else ():
+    p_axes, g_axes, o_axes, gathered = leaf.params, leaf.grads, leaf.optimizer, leaf.gathered
+    comm.add("all-gather", o_axes - p_axes, param_bytes * leaf.working)
+    comm.add("all-gather", p_axes & gathered, param_bytes * leaf.compute / leaf.layers,
+             _gathers(leaf.names, cfg, pipelined and "fsdp" in p_axes & gathered))
     # Inside a pipeline a layer's gradients split over `fsdp` (automatic
     # there) are reduce-scattered in every microbatch's W.
-    comm.add("reduce-scatter", g_axes & gathered, param_bytes * compute / layers,
-             accum * layers * (microbatches if layers > 1 and "fsdp" in g_axes & gathered
-                               else 1))
+    comm.add("reduce-scatter", g_axes & gathered, param_bytes * leaf.compute / leaf.layers,
+             accum * leaf.layers * (microbatches if leaf.layers > 1
+                                    and "fsdp" in g_axes & gathered else 1))
     rest = token_axes - g_axes
     reductions = 1 if accum == 1 or per_replica else accum
     # The gradient before its reduction: with one microbatch `grads` is already
     # the optimizer's shard, with accumulation the whole accumulator.
-    reduced = ((grad_bytes if per_replica else param_bytes) * grads
-               * (_prod(rest & o_axes, mesh) if accum == 1 else 1))
+    reduced = ((grad_bytes if per_replica else param_bytes) * leaf.grads_kept
+               * (prod(rest & o_axes, mesh) if accum == 1 else 1))
     comm.add("reduce-scatter", rest & o_axes, reduced, reductions)
     # The sums over the length axes complete inside the layer that makes them,
     # apart from those over the batch axes (XLA's partitioner, not one union).
     for axes in (rest - o_axes) & length_axes, rest - o_axes - length_axes:
-      comm.add("all-reduce", axes, reduced / _prod(rest & o_axes, mesh), reductions)
+      comm.add("all-reduce", axes, reduced / prod(rest & o_axes, mesh), reductions)
 
   if activations is None:
     memory["activations"] = activation_bytes(cfg, mesh, rules)
@@ -216,29 +159,16 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
     _activation_traffic(cfg, mesh, comm, length_axes)
     report["collectives"] = comm.as_list()
   if cfg.local_sgd.inner_steps:  # replicas step alone; one delta all-reduce per sync
-    local = local_sgd.plan(cfg, spec, rules, mesh)
-    memory["local_sgd_outer"] = local["outer_state_bytes"]
+    memory["local_sgd_outer"] = state["local_sgd_outer"]
     if collectives:
       report["collectives"] = ([c for c in report["collectives"] if "data" not in c["axis"]]
-                               + [local["sync"]])
+                               + [local_sgd.plan(cfg, spec, rules, mesh)["sync"]])
   memory["total"] = sum(memory.values())
   if host:
     memory["host"] = host
   if activations is None and cfg.remat == "offload":
     memory["host_activations"] = activation_bytes(cfg, mesh, rules, on_host=True)
   return {"memory_bytes": {k: int(v) for k, v in memory.items()}, **report}
-
-
-def pipeline_sums(compute: float, gathered_axes, mesh) -> float:
-  """Elements of one weight's gradient sum on a pipeline stage: the
-  executor (`runtime.initial_state`) sums every microbatch's gradients in
-  float32 in the layout the stage computes with (`compute` elements, split
-  over `tensor` and the stage's layers), further split over the automatic
-  axes that split the working weights for storage (`gathered_axes`: `fsdp`),
-  and reduces them over `data` and `sequence`, manual axes of its
-  shard_map, only after the last tick, so neither divides them
-  (tests/test_plan.py)."""
-  return compute / _prod(gathered_axes, mesh)
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
@@ -264,13 +194,13 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
   """
   m = cfg.model
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
-  sizes = _sizes(mesh)
-  stages, t = sizes["pipeline"], sizes["tensor"]
+  axis_size = sizes(mesh)
+  stages, t = axis_size["pipeline"], axis_size["tensor"]
   sequence_parallel = "tensor" in length_axes
   microbatches = cfg.pipeline.microbatches if stages > 1 else 1
-  rows = cfg.global_batch // cfg.grad_accum_steps // microbatches // _prod(
-      [a for a in BATCH_AXES if sizes[a] > 1], mesh)
-  s = cfg.seq_len // sizes["sequence"]
+  rows = cfg.global_batch // cfg.grad_accum_steps // microbatches // prod(
+      [a for a in BATCH_AXES if axis_size[a] > 1], mesh)
+  s = cfg.seq_len // axis_size["sequence"]
   activation = act_bytes * rows * s * m.embed_dim
   passes = cfg.grad_accum_steps * microbatches
   forwards = 1 + (cfg.remat == "full")  # a pipeline's B recomputes nothing
@@ -300,7 +230,7 @@ def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
     comm.add("all-reduce", {"tensor"}, activation / m.embed_dim * latent, summed_on_latents)
   if t > 1:  # the vocabulary-split cross-entropy: max, sum of exponentials, target logit
     comm.add("all-reduce", {"tensor"}, 4 * rows * s, 3 * passes)
-  if sizes["sequence"] > 1:
+  if axis_size["sequence"] > 1:
     _sequence_attention(cfg, mesh, comm, rows, forwards, layer_passes, passes)
   if m.moe.num_experts:
     _expert_dispatch(cfg, mesh, comm, rows, s, forwards, routed_passes, length_axes)
@@ -316,8 +246,8 @@ def _sequence_attention(cfg, mesh, comm: _Comm, rows: int, forwards: float,
                         layer_passes: int, passes: int) -> None:
   """K/V traffic of context-parallel attention (`meshtrain.parallel.sequence`),
   per forward and backward of every layer. Sizes are one device's blocks."""
-  m, sizes = cfg.model, _sizes(mesh)
-  n, t = sizes["sequence"], sizes["tensor"]
+  m, axis_size = cfg.model, sizes(mesh)
+  n, t = axis_size["sequence"], axis_size["tensor"]
   act_bytes, tokens = jnp.dtype(cfg.compute_dtype).itemsize, rows * cfg.seq_len // n
   token_bytes = act_bytes * tokens * mla.widths(m)[2]  # the padded width
   split = lambda heads: heads // t if heads % t == 0 else heads  # noqa: E731
@@ -366,10 +296,10 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
 
   With a capacity, the routing gathers along the length each chunk's count
   per expert (int32), where the length is split."""
-  moe, m, sizes = cfg.model.moe, cfg.model, _sizes(mesh)
-  t, sequence_parallel = sizes["tensor"], "tensor" in length_axes
-  axes = [a for a in cfg.expert_parallel.split(",") if a and sizes[a] > 1]
-  n = _prod(axes, mesh)
+  moe, m, axis_size = cfg.model.moe, cfg.model, sizes(mesh)
+  t, sequence_parallel = axis_size["tensor"], "tensor" in length_axes
+  axes = [a for a in cfg.expert_parallel.split(",") if a and axis_size[a] > 1]
+  n = prod(axes, mesh)
   local = moe.num_experts // n
   per_sequence = model_config(cfg).moe.capacity(cfg.seq_len)
   split = experts.tensor_split(rows, length, t, moe.experts_per_token, local, per_sequence)
@@ -377,7 +307,7 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
                                     per_sequence)
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   bucket = act_bytes * n * capacity * m.embed_dim
-  w_resends = sizes["pipeline"] > 1
+  w_resends = axis_size["pipeline"] > 1
   ragged = moe.dispatch == "ragged" and n > 1
   if ragged:  # the rows alone, (n - 1) / n of a device's assignments on balanced routing
     sent = act_bytes * rows * length // (t if split else 1) * moe.experts_per_token * m.embed_dim
@@ -387,8 +317,8 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   if ragged:  # jax's transpose of a ragged all-to-all sends its two offset vectors first
     comm.add("all-to-all", set(axes), 4 * n, 2 * (2 + w_resends) * moe_passes)
   if per_sequence:  # each chunk's count per expert, for the capacity (`sequence.count_before`)
-    ring = sizes["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
-    chunks = sequence.prefix_chunks(cfg.seq_len, _prod(length_axes, mesh), ring)
+    ring = axis_size["sequence"] if cfg.attention.sequence_strategy == "ring" else 0
+    chunks = sequence.prefix_chunks(cfg.seq_len, prod(length_axes, mesh), ring)
     comm.add("all-gather", length_axes, 4 * rows * chunks * moe.num_experts,
              forwards * moe_passes)
   activation = act_bytes * rows * length * m.embed_dim
@@ -441,14 +371,6 @@ def chunk_layers(cfg, per_layer: float = 1) -> np.ndarray:
   return work
 
 
-def stacked_slots(cfg) -> int | None:
-  """The layers the stacked weights take room for on a pipeline of uneven
-  stages: P x V chunks of max(counts) slots (the empty slots hold zeros, but
-  memory all the same); None where they are the model's own layers."""
-  layout = stage_layout(cfg)
-  return None if layout.even_split else len(layout.counts) * layout.slots
-
-
 def _gathers(names, cfg, in_ticks: bool = False) -> float:
   """How often a step gathers a weight split over batch axes (what XLA does):
   a stacked layer weight per layer and microbatch, forward and backward and
@@ -499,7 +421,7 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
   model_cfg = traced_model(cfg, layers, remat, run_device(mesh))
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
-  flash = attention_kernel(cfg, run_device(mesh)) == "cudnn" and _sizes(mesh)["sequence"] == 1
+  flash = attention_kernel(cfg, run_device(mesh)) == "cudnn" and sizes(mesh)["sequence"] == 1
   spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
@@ -582,7 +504,7 @@ def layer_and_head_residuals(cfg, mesh, rules, rows: int, remat: str,
 def _microbatch_rows(cfg, mesh) -> int:
   """Sequences (over all devices) that one forward and backward runs on."""
   rows = cfg.global_batch // cfg.grad_accum_steps
-  return rows // cfg.pipeline.microbatches if _sizes(mesh)["pipeline"] > 1 else rows
+  return rows // cfg.pipeline.microbatches if sizes(mesh)["pipeline"] > 1 else rows
 
 
 def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -> int:
@@ -592,7 +514,7 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
   a chunk's inputs, of its layers' residuals and of the head's, for one
   microbatch each.
   """
-  m, stages = cfg.model, _sizes(mesh)["pipeline"]
+  m, stages = cfg.model, sizes(mesh)["pipeline"]
   rows = _microbatch_rows(cfg, mesh)
   p = cfg.pipeline
   held = pipeline_slots(cfg, stages, p.microbatches, p.virtual_stages) if stages > 1 else {}
@@ -600,8 +522,8 @@ def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -
     per_layer, head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat, on_host)
     return (held.get("res", 1) * stage_layers(cfg)[1] * per_layer
             + held.get("head_res", 1) * head)
-  per_device_rows = rows // _prod([a for a in BATCH_AXES if _sizes(mesh)[a] > 1], mesh)
-  length = cfg.seq_len // (_sizes(mesh)["tensor"] if _sequence_parallel(rules, mesh) else 1)
+  per_device_rows = rows // prod([a for a in BATCH_AXES if sizes(mesh)[a] > 1], mesh)
+  length = cfg.seq_len // (sizes(mesh)["tensor"] if _sequence_parallel(rules, mesh) else 1)
   inputs = (held["inputs"] * per_device_rows * length * m.embed_dim
             * jnp.dtype(cfg.compute_dtype).itemsize)
   per_microbatch = split_bytes(cfg, mesh, rules, rows)
@@ -626,7 +548,7 @@ def backward_bytes(cfg, mesh, rules: r.ShardingRules) -> int:
   stage keeps the head's stash while other microbatches' layers run."""
   rows = _microbatch_rows(cfg, mesh)
   layer = 2 * layer_and_head_residuals(cfg, mesh, rules, rows, "none")[0]
-  if _sizes(mesh)["pipeline"] > 1:
+  if sizes(mesh)["pipeline"] > 1:
     return layer
   head = layer_and_head_residuals(cfg, mesh, rules, rows, cfg.remat)[1]
   return max(logits_bytes(cfg, mesh, rules, rows), layer - head)
@@ -636,8 +558,8 @@ def logits_bytes(cfg, mesh, rules: r.ShardingRules, rows: int) -> int:
   """Per-device bytes of the head's logits on `rows` sequences, in the
   compute dtype, split as the rules split [batch, length, vocabulary]."""
   spec = r.logical_to_spec((r.BATCH, r.LENGTH, r.ACT_VOCAB), rules.params)
-  sizes = _sizes(mesh)
-  split = [_prod([a for a in ((p,) if isinstance(p, str) else p or ()) if sizes[a] > 1], mesh)
+  axis_size = sizes(mesh)
+  split = [prod([a for a in ((p,) if isinstance(p, str) else p or ()) if axis_size[a] > 1], mesh)
            for p in spec]
   shape = (rows, cfg.seq_len, cfg.model.vocab_size)
   return math.prod(-(-n // k) for n, k in zip(shape, split)) * jnp.dtype(cfg.compute_dtype).itemsize
@@ -731,34 +653,6 @@ def measured_on_target(setup, target: gpu_targets.Target) -> dict:
 
 def _offloads(cfg) -> bool:
   return bool(cfg.offload.params or cfg.offload.optimizer or cfg.remat == "offload")
-
-
-def device_memory(device) -> int | None:
-  """Bytes one device can hold: its allocator's limit (GPU, TPU); on CPU the
-  host's memory over its local devices; None where neither is known."""
-  stats = device.memory_stats() or {}
-  if "bytes_limit" in stats:
-    return stats["bytes_limit"]
-  if device.platform == "cpu":
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
-  return None
-
-
-def check_fits(setup) -> None:
-  """Refuses, before anything is allocated, a run whose train state alone
-  (weights, gradients and optimizer state as `analytic` counts them, no
-  activations) outgrows a device's memory: where it would die allocating,
-  on CPU killed by the host without a word."""
-  state = analytic(setup.cfg, setup.spec, setup.rules, setup.mesh, activations=0,
-                   collectives=False)["memory_bytes"]["total"]
-  limit = device_memory(jax.local_devices()[0])
-  if limit and state > limit:
-    raise ConfigError("config.mesh", f"the train state alone (weights, gradients, optimizer "
-                      f"state) needs {state / 2**30:.1f} GiB a device, more than the "
-                      f"{limit / 2**30:.1f} GiB one has; split it over more devices "
-                      "(config.mesh.fsdp, config.zero_stage), move the optimizer to the host "
-                      "(config.offload.optimizer) or train a smaller model (`meshtrain plan` "
-                      "shows where the bytes go)")
 
 
 def plan(cfg, num_devices: int, compile_step: bool,

@@ -589,7 +589,7 @@ class StepModel:
 
   def outside_layers_s(self, c: Candidate, report: dict, crossing: list[str]) -> dict:
     """Seconds of the `outside_layers` collectives, none hidden. A
-    pipeline's reduction is of its float32 sums (`plan.pipeline_sums`, the
+    pipeline's reduction is of its float32 sums (`state_memory.pipeline_sums`, the
     `grads` bytes) over data x sequence: a reduce-scatter where ZeRO splits
     the optimizer over `data`, else an all-reduce."""
     sizes = c.sizes

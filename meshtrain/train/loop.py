@@ -14,7 +14,7 @@ import jax
 from tqdm import tqdm
 
 from meshtrain import distributed, rules as r
-from meshtrain.analysis.plan import check_fits
+from meshtrain.train.state_memory import check_fits
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
