@@ -58,7 +58,7 @@ SETTINGS = {  # id -> (config changes, XLA_FLAGS)
     # Its grouped GEMM: `auto` (Hopper's kernels on an H100 or H200), then each other.
     **{f"moe-8x-top2{suffix}": ({"remat": "selective", "attention.implementation": "cudnn",
                                  "model.moe.num_experts": 8, "model.moe.experts_per_token": 2,
-                                 "model.moe.mlp_dim": 2048, "model.moe.grouped_gemm": gemm},
+                                 "model.moe.mlp_dim": 2048, "experts.grouped_gemm": gemm},
                                 FAST_XLA)
        for suffix, gemm in (("", "auto"), ("-tiled", "tiled"), ("-ragged-dot", "ragged_dot"))},
 }
@@ -99,7 +99,7 @@ def predicted_step_s(row: dict) -> float | None:
   if (cluster is None or row["attention"] != "cudnn"
       or any(key.startswith("offload") for key in changes)
       or changes["remat"] not in search.REMATS
-      or changes.get("model.moe.grouped_gemm") == "ragged_dot"):
+      or changes.get("experts.grouped_gemm") == "ragged_dot"):
     return None
   cfg = one_device_config(row["model"], row["batch"], row["seq_len"], changes)
   model = search.StepModel(cfg, clusters.load(cluster))
@@ -115,7 +115,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
 
   from meshtrain.models.flops import flops_per_token
   from meshtrain.train.setup import build
-  from meshtrain.train.parallelize import attention_kernel, model_config
+  from meshtrain.train.parallelize import attention_kernel, grouped_gemm, model_config
 
   cfg = one_device_config(model, batch_size, seq_len, changes)
   cfg.steps = warmup + steps + 1
@@ -145,7 +145,7 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   model_flops = flops_per_token(model_cfg, setup.spec.abstract_params, seq_len)
   return {"model": model, "batch": batch_size, "seq_len": seq_len, "steps": steps, **changes,
           "attention": attention_kernel(cfg),
-          "gemm": model_cfg.moe.grouped_gemm if model_cfg.moe.num_experts else None,
+          "gemm": grouped_gemm(cfg) if model_cfg.moe.num_experts else None,
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
           "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": model_flops,

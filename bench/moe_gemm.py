@@ -1,5 +1,5 @@
 """The routed experts' SwiGLU, forward and backward, on one device: each
-grouped GEMM of `model.moe.grouped_gemm` against a dense SwiGLU doing the
+grouped GEMM of `experts.grouped_gemm` against a dense SwiGLU doing the
 same FLOPs, and what XLA compiled each into.
 
   python bench/moe_gemm.py                       # the 1B MoE setting of bench/gpu.py

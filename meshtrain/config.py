@@ -5,6 +5,8 @@ synthetic task. Presets in `configs/` start from `get_config()` and change a few
 keys. One comment per field says what it does.
 """
 
+import copy
+import functools
 import importlib.util
 import pathlib
 import re
@@ -100,8 +102,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.aux_loss_coef = 0.01    # switch load-balancing loss, 1.0 x coef when balanced (0: off)
   c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing step (0: off; 1e-3)
   c.model.moe.capacity_factor = 0.0   # 0: dropless; c > 0: an expert takes ceil(c x L x k / E) tokens per sequence
-  c.model.moe.grouped_gemm = "auto"  # the experts' GEMMs: auto | tiled | ragged_dot | hopper (docs/moe.md)
-  c.model.moe.dispatch = "padded"     # the all-to-alls: padded (whole buckets) | ragged (the rows alone; GPU/TPU)
+
+  c.experts = ml_collections.ConfigDict()  # how the MoE layers run (not saved as the model: a resume may change it)
+  c.experts.grouped_gemm = "auto"  # a device's GEMMs: auto | tiled | ragged_dot | hopper (docs/moe.md)
+  c.experts.dispatch = "padded"    # the all-to-alls: padded (whole buckets) | ragged (the rows alone; GPU/TPU)
 
   c.attention = ml_collections.ConfigDict()
   c.attention.sequence_strategy = "all_gather_kv"  # when mesh.sequence > 1: all_gather_kv | ulysses | ring
@@ -156,6 +160,31 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.every_steps = 0        # steps between evaluations on the validation split, and at the last step (0: none)
   c.eval.batches = 4            # global batches per evaluation, the same ones every time
   return c
+
+
+# Keys that have moved: how the model runs left `model`, which holds what a
+# checkpoint's model is (a resume compares it).
+MOVED = {"model.moe.grouped_gemm": "experts.grouped_gemm",
+         "model.moe.dispatch": "experts.dispatch"}
+
+
+def from_saved(saved: dict) -> ml_collections.ConfigDict:
+  """The config a run saved (`saved`, its config.json: keys it predates at
+  their defaults, keys it holds where `MOVED` puts them now)."""
+  cfg = get_config()
+  cfg.update(_moved(saved))
+  return cfg
+
+
+def _moved(saved: dict) -> dict:
+  saved = copy.deepcopy(saved)
+  for old, new in MOVED.items():
+    *path, name = old.split(".")
+    section = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, path, saved)
+    if isinstance(section, dict) and name in section:
+      *path, new_name = new.split(".")
+      functools.reduce(lambda d, k: d.setdefault(k, {}), path, saved)[new_name] = section.pop(name)
+  return saved
 
 
 def load(path, *args) -> ml_collections.ConfigDict:

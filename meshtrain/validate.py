@@ -189,8 +189,9 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                     "truncate")},
     **{key: (lambda c, sizes: not c.model.moe.num_experts,
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
-       for key in ["expert_parallel", *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
-                                        if name != "num_experts")]},
+       for key in ["expert_parallel", "experts.grouped_gemm", "experts.dispatch",
+                   *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
+                     if name != "num_experts")]},
     "model.mtp_loss_coef": (lambda c, sizes: not c.model.mtp_layers,
                             "model.mtp_layers is 0, so there is no multi-token prediction loss; "
                             "set config.model.mtp_layers > 0"),
@@ -229,7 +230,11 @@ def _leaves(tree, prefix: str = "") -> dict[str, Any]:
 
 
 def unknown_key(key: str, known) -> ConfigError:
-  """`key` is not a config key: the error, with the closest known keys."""
+  """`key` is not a config key: the error, with where it has moved or the
+  closest known keys."""
+  if key in meshtrain.config.MOVED:
+    return ConfigError(f"config.{key}", f"has moved to config.{meshtrain.config.MOVED[key]} "
+                       "(how the model runs, apart from what it is)")
   close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6) or difflib.get_close_matches(
       key.rpartition(".")[2], [k.rpartition(".")[2] for k in known], n=1, cutoff=0.6)
   if close and "." not in close[0]:  # matched on the last part: name the full key

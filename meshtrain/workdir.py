@@ -9,7 +9,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from meshtrain.checkpoint import damage_reason
-from meshtrain.config import get_config
+from meshtrain.config import from_saved
 from meshtrain.errors import ConfigError, reading
 
 
@@ -44,8 +44,7 @@ def load_config(workdir, overrides: dict) -> ml_collections.ConfigDict:
     launched = saved.pop("distributed", {})
     if saved.get("simulate_devices") and launched.get("num_processes", 1) > 1:
       saved["simulate_devices"] *= launched["num_processes"]
-    cfg = get_config()
-    cfg.update(saved)
+    cfg = from_saved(saved)
   except (ValueError, TypeError, AttributeError, RecursionError) as error:
     raise ConfigError("--workdir", f"{file} is not a run's config ({_first_line(error)}); give "
                       "the workdir that `meshtrain train` or `meshtrain import-hf` wrote, its "

@@ -52,7 +52,7 @@ def labels(cfg, devices: int = 8) -> frozenset[str]:
                        (moe.shared_gate, "shared gate"), (moe.first_dense_layers, "first dense"),
                        (moe.router == "sigmoid", "sigmoid"), (moe.groups_per_token, "groups"),
                        (moe.aux_loss_coef, "switch loss"), (moe.bias_update_rate, "bias balancing"),
-                       (moe.grouped_gemm == "ragged_dot", "ragged_dot")):
+                       (cfg.experts.grouped_gemm == "ragged_dot", "ragged_dot")):
       if flag:
         found.add(name)
   return frozenset(found)

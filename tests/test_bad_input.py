@@ -101,15 +101,15 @@ CASES = [
      "config.model.moe.experts_per_token"),
     ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.router=relu"],
      "config.model.moe.router"),
-    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.grouped_gemm=cutlass"],
-     "config.model.moe.grouped_gemm"),
-    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.grouped_gemm=hopper"],
-     "config.model.moe.grouped_gemm"),  # no Hopper GPU here
-    ("train", ["--config.model.moe.num_experts=4", "--config.model.moe.dispatch=sparse"],
-     "config.model.moe.dispatch"),
+    ("train", ["--config.model.moe.num_experts=4", "--config.experts.grouped_gemm=cutlass"],
+     "config.experts.grouped_gemm"),
+    ("train", ["--config.model.moe.num_experts=4", "--config.experts.grouped_gemm=hopper"],
+     "config.experts.grouped_gemm"),  # no Hopper GPU here
+    ("train", ["--config.model.moe.num_experts=4", "--config.experts.dispatch=sparse"],
+     "config.experts.dispatch"),
     ("train", ["--config.model.moe.num_experts=8", "--config.mesh.data=1", "--config.mesh.fsdp=8",
-               "--config.model.moe.dispatch=ragged"], "config.model.moe.dispatch"),  # a CPU
-    ("train", ["--config.model.moe.dispatch=ragged"], "config.model.moe.dispatch"),  # no experts
+               "--config.experts.dispatch=ragged"], "config.experts.dispatch"),  # a CPU
+    ("train", ["--config.experts.dispatch=ragged"], "config.experts.dispatch"),  # no experts
     ("train", ["--config.model.moe.num_experts=4", "--config.expert_parallel=tensor"],
      "config.expert_parallel"),
     ("train", [*PIPELINE, "--config.model.moe.num_experts=4", "--config.expert_parallel=data"],

@@ -5,6 +5,7 @@ The reference everywhere is one uninterrupted run of the same config.
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,31 @@ def test_restore_onto_another_mesh_and_strategy(straight, tmp_path, mesh, extra)
   resumed = losses(train(cfg))
   assert list(resumed) == list(range(SAVE_EVERY + 1, STEPS + 1))
   np.testing.assert_allclose(list(resumed.values()), [expected[s] for s in resumed], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_may_change_how_the_experts_run_but_not_what_the_model_is(tmp_path):
+  """`config.experts` is how the model runs, not what a checkpoint holds: a
+  workdir saved with the default GEMMs by an earlier meshtrain (which kept the
+  choice under `model.moe`) resumes with ragged_dot ones and gives the
+  uninterrupted run's losses; a change of the experts themselves is refused,
+  and named alone."""
+  moe = {"model.moe.num_experts": 4, "model.moe.mlp_dim": 32, "steps": 4,
+         "checkpoint.every_steps": 2}
+  workdir = str(tmp_path)
+  expected = losses(train(micro_config(**moe, workdir=workdir)))
+  shutil.rmtree(tmp_path / "checkpoints/4")  # back at step 2
+  metadata = tmp_path / "checkpoints/2/config/metadata"
+  saved = json.loads(metadata.read_text())
+  saved["model"]["moe"].update(saved.pop("experts"))
+  metadata.write_text(json.dumps(saved))
+  with pytest.raises(ConfigError, match=r"an exact resume needs: model\.moe\.capacity_factor "
+                     r"0\.0 -> 1\.0;"):
+    train(micro_config(**moe, workdir=workdir, **{"model.moe.capacity_factor": 1.0}))
+  resumed = losses(train(micro_config(**moe, workdir=workdir,
+                                      **{"experts.grouped_gemm": "ragged_dot"})))
+  assert list(resumed) == [3, 4]
+  np.testing.assert_allclose(list(resumed.values()), [expected[3], expected[4]], rtol=1e-5)
 
 
 def test_wrong_model_shape_is_one_line_naming_path_and_mismatch(straight, tmp_path):

@@ -166,8 +166,8 @@ CONFIGS = {
 def test_layer_equals_a_plain_loop_over_experts_values_and_gradients(name, gemm):
   """The switch loss's gradient included: meshtrain injects it into the
   backward, the reference differentiates coef x loss."""
-  cfg = dataclasses.replace(CONFIGS[name], grouped_gemm=gemm)
-  moe = layer(cfg)
+  cfg = CONFIGS[name]
+  moe = layer(cfg, functools.partial(experts.grouped_experts, gemm=gemm))
   x, cotangent = inputs()
   y, stats, grads = layer_value_and_grads(moe, x, cotangent)
   ref_y, ref_grads = plain_value_and_grads(moe, x, cotangent, cfg)
@@ -314,8 +314,8 @@ def test_auto_gemm_is_hopper_only_where_its_kernels_run():
 @pytest.mark.parametrize("gemm", experts.GEMMS)
 def test_dropless_drops_nothing_and_capacity_drops_exactly_what_it_reports(gemm):
   x, cotangent = inputs(length=16)
-  dropless = MoEConfig(num_experts=4, experts_per_token=2, aux_loss_coef=0.0, grouped_gemm=gemm)
-  moe = layer(dropless)
+  dropless = MoEConfig(num_experts=4, experts_per_token=2, aux_loss_coef=0.0)
+  moe = layer(dropless, functools.partial(experts.grouped_experts, gemm=gemm))
   # A router that sends most tokens to expert 0: at capacity factor 1 it overflows.
   moe.router_DxE[...] = moe.router_DxE[...].at[:, 0].add(2.0)
   assert float(moe.forward(x)[1].dropped) == 0
@@ -395,8 +395,9 @@ def assert_split_experts_equal_the_plain_loop(name, gemm="tiled", dispatch="padd
   """Values, gradients, switch loss and loads of the layer on `MESHES[name]`."""
   sizes, axes = MESHES[name]
   mesh = mesh_of(**sizes)
-  cfg = dataclasses.replace(CONFIGS["softmax top-2 of 8"], grouped_gemm=gemm)
-  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes, dispatch=dispatch))
+  cfg = CONFIGS["softmax top-2 of 8"]
+  moe = layer(cfg, functools.partial(experts.expert_parallel, axes=axes, gemm=gemm,
+                                     dispatch=dispatch))
   x, cotangent = inputs(batch=8, length=8)
   rules = r.strategy_rules(mesh, expert_axes=axes)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.params):
@@ -439,7 +440,7 @@ COMPOSITIONS = {
     "data=8 accumulate 2 (experts replicated)": dict(mesh=dict(data=8), grad_accum_steps=2,
                                                      expert_parallel=""),
     "fsdp=8 ragged_dot grouped GEMM": dict(mesh=dict(data=1, fsdp=8),
-                                           model=dict(moe=dict(grouped_gemm="ragged_dot"))),
+                                           experts=dict(grouped_gemm="ragged_dot")),
     "fsdp=8 shared expert, first layer dense, sigmoid, best 2 of 4 groups": dict(
         mesh=dict(data=1, fsdp=8), model=dict(moe=dict(shared_mlp_dim=32, first_dense_layers=1,
                                                        router="sigmoid", route_scale=2.5,

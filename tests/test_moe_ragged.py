@@ -1,4 +1,4 @@
-"""`model.moe.dispatch=ragged`: the experts' all-to-alls by
+"""`experts.dispatch=ragged`: the experts' all-to-alls by
 `lax.ragged_all_to_all`, which sends each device's real rows alone.
 
 XLA:CPU cannot compile that collective, so here it is replaced by an
@@ -94,7 +94,7 @@ def test_ragged_dispatch_of_tensor_shares_with_capacity_drops_equals_one_device(
   assert_tensor_shares_equal_one_device(case, dispatch="ragged")
 
 
-RAGGED = {**MOE, "model.moe.dispatch": "ragged"}
+RAGGED = {**MOE, "experts.dispatch": "ragged"}
 COMPOSITIONS = {
     "fsdp=8": dict(mesh=dict(data=1, fsdp=8)),
     "expert_parallel=data,fsdp accumulate 2": dict(mesh=dict(data=2, fsdp=4),
@@ -124,7 +124,7 @@ def test_local_sgd_replicas_with_ragged_dispatch_equal_diloco_written_out(emulat
   inside the vmap over replicas."""
   from test_local_sgd import MOE as LOCAL_MOE, assert_equals_diloco_written_out
   assert_equals_diloco_written_out({**LOCAL_MOE, "mesh.fsdp": 2, "mesh.tensor": 2,
-                                    "model.moe.dispatch": "ragged"})
+                                    "experts.dispatch": "ragged"})
 
 
 def lowered_collectives(cfg) -> dict[str, list[str]]:
@@ -167,7 +167,7 @@ def test_the_step_xla_receives_sends_the_rows_by_ragged_all_to_all(accepted):
 
 def test_ragged_dispatch_on_a_cpu_is_refused_naming_the_key():
   cfg = micro_config(**RAGGED, **{"mesh.data": 1, "mesh.fsdp": 8})
-  with pytest.raises(ConfigError, match=r"config\.model\.moe\.dispatch.*XLA:CPU.*use padded"):
+  with pytest.raises(ConfigError, match=r"config\.experts\.dispatch.*XLA:CPU.*use padded"):
     build(cfg)
   cfg.expert_parallel = ""  # no expert parallelism: no all-to-all to make ragged
   build(cfg)

@@ -95,3 +95,9 @@ def test_resume_changes_list_what_breaks_exact_resume_and_nothing_else():
   assert resume_changes(saved, cfg) == ["seed 0 -> 1", "data.source 'synthetic' -> 'text'"]
   del saved["data"]  # a key the checkpoint predates is not compared
   assert resume_changes(saved, cfg) == ["seed 0 -> 1"]
+  # How the model runs may change; what it is may not (a key that has left
+  # `model` since the checkpoint is not compared).
+  saved["model"]["moe"]["grouped_gemm"] = "tiled"
+  cfg = micro_config(**{"experts.grouped_gemm": "ragged_dot", "experts.dispatch": "ragged",
+                        "attention.implementation": "xla", "model.moe.num_experts": 4})
+  assert resume_changes(saved, cfg) == ["model.moe.num_experts 0 -> 4"]

@@ -308,7 +308,7 @@ def _expert_dispatch(cfg, mesh, comm: _Comm, rows: int, length: int, forwards: i
   act_bytes = jnp.dtype(cfg.compute_dtype).itemsize
   bucket = act_bytes * n * capacity * m.embed_dim
   w_resends = axis_size["pipeline"] > 1
-  ragged = moe.dispatch == "ragged" and n > 1
+  ragged = cfg.experts.dispatch == "ragged" and n > 1
   if ragged:  # the rows alone, (n - 1) / n of a device's assignments on balanced routing
     sent = act_bytes * rows * length // (t if split else 1) * moe.experts_per_token * m.embed_dim
   comm.add("all-to-all", set(axes), sent if ragged else bucket,
@@ -405,11 +405,11 @@ def llama_loss(spec):
   return loss_fn
 
 
-def traced_model(cfg, layers: int, remat: str, device: jax.Device | None = None):
+def traced_model(cfg, layers: int, remat: str):
   """The model of `cfg` cut to `layers` layers, all alike (an MoE model's
-  leading dense layers are counted as routed ones), to trace what it saves,
-  its kernels chosen for `device` (`parallelize.model_config`)."""
-  model_cfg = model_config(cfg, device)
+  leading dense layers are counted as routed ones), to trace what it saves
+  (its kernels are the slots')."""
+  model_cfg = model_config(cfg)
   return dataclasses.replace(model_cfg, num_layers=layers, remat=remat,
                              moe=dataclasses.replace(model_cfg.moe, first_dense_layers=0))
 
@@ -418,7 +418,7 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
                    on_host: bool = False) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences
   in device memory (`on_host`: in host memory, as `remat="offload"` does)."""
-  model_cfg = traced_model(cfg, layers, remat, run_device(mesh))
+  model_cfg = traced_model(cfg, layers, remat)
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
   flash = attention_kernel(cfg, run_device(mesh)) == "cudnn" and sizes(mesh)["sequence"] == 1
@@ -453,7 +453,7 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
 def split_bytes(cfg, mesh, rules, rows: int) -> dict[str, int]:
   """Per-device bytes in device memory that a pipeline's split backward keeps
   of one layer for one microbatch of `rows` sequences (`split_values`)."""
-  spec = llama_spec(traced_model(cfg, 1, cfg.remat, run_device(mesh)),
+  spec = llama_spec(traced_model(cfg, 1, cfg.remat),
                     slots(cfg, mesh, implementation="xla"))
   return {name: sum(v.device_bytes for v in values if not v.on_host)
           for name, values in split_values(spec, cfg, rows, mesh, rules).items()}
@@ -666,7 +666,7 @@ def plan(cfg, num_devices: int, compile_step: bool,
   devices = gpu_targets.devices(target) if target else None
   if devices:
     mesh = make_mesh(cfg.mesh, devices)  # its devices' kernels are what the plan counts
-  model_cfg = model_config(cfg, run_device(mesh))
+  model_cfg = model_config(cfg)
   spec = llama_spec(model_cfg)
   report = {"devices": num_devices, "mesh": dict(mesh.shape), "zero_stage": cfg.zero_stage,
             "parameters": flops.total_params(spec.abstract_params),
@@ -678,7 +678,7 @@ def plan(cfg, num_devices: int, compile_step: bool,
     report["measured"] = measured(setup_lib.build(cfg))
   report["collectives"] = report["measured" if compile_step or target else
                                  "analytic"]["collectives"]
-  if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "ragged":
+  if cfg.model.moe.num_experts and cfg.experts.dispatch == "ragged":
     report["notes"] = ["the experts' all-to-alls are ragged: their bytes are those balanced "
                        "routing sends; the real ones follow the routing"]
   return report

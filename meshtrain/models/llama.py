@@ -101,9 +101,10 @@ class Slots:
     causal grouped-query attention over the sequence (inside each packed
     document; over the last `window` tokens when > 0), whatever splits its
     length; the default sees it whole.
-  experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down, *, gemm) -> y_BxLxD:
-    the routed experts on the tokens that chose them (`parallel/experts.py`);
-    the default runs every expert here.
+  experts(x_BxLxD, expert_BxLxK, weight_BxLxK, w_gate, w_up, w_down) -> y_BxLxD:
+    the routed experts on the tokens that chose them, by a grouped GEMM of the
+    strategy's choosing (`parallel/experts.py`); the default runs every expert
+    here, tiled.
   token_sum(x_BxLx...) -> x...: a per-token count summed over every token of
     the batch (the MoE balance, the multi-token prediction's loss sums); the
     default sums the [batch, length] it sees.

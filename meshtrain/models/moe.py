@@ -69,8 +69,6 @@ class MoEConfig:
   aux_loss_coef: float = 0.01
   bias_update_rate: float = 0.0
   capacity_factor: float = 0.0
-  grouped_gemm: str = "tiled"  # how a device runs its experts (`experts.GEMMS`)
-  dispatch: str = "padded"  # how the all-to-alls send the rows (`experts.DISPATCHES`)
 
   def capacity(self, length: int) -> int:
     """Assignments an expert takes from one sequence of `length` tokens (0: all);
@@ -256,8 +254,7 @@ class MoE(nnx.Module):
     routing, stats = route(x_BxLxD, self.router_DxE[...], self.bias_E[...], self.cfg,
                            self.token_sum, self.aux_weight, self.count_before)
     y_BxLxD = self.experts(x_BxLxD, routing.expert_BxLxK, routing.weight_BxLxK,
-                           self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...],
-                           gemm=self.cfg.grouped_gemm)
+                           self.w_gate_ExDxF[...], self.w_up_ExDxF[...], self.w_down_ExFxD[...])
     if self.shared is not None:
       shared_BxLxD = self.shared(x_BxLxD)
       if self.shared_gate_Dx1 is not None:

@@ -1,7 +1,7 @@
 """The routed experts' computation: tokens to the experts they chose, a grouped
 GEMM per expert, the weighted outputs back.
 
-The grouped GEMM (`model.moe.grouped_gemm`):
+The grouped GEMM (`experts.grouped_gemm`):
   tiled        each expert's rows padded to whole tiles, one batched GEMM over
                the tiles with each tile's expert matrices gathered beside it,
                the weight gradient per tile summed by expert. Plain dots, so
@@ -26,7 +26,7 @@ The grouped GEMM (`model.moe.grouped_gemm`):
                     one of [n, E_local] counts), and every device runs its
                     own experts on what arrived.
 
-The all-to-all (`model.moe.dispatch`):
+The all-to-all (`experts.dispatch`):
   padded       `lax.all_to_all` of whole buckets, each of the fixed size below;
                every backend runs it.
   ragged       `lax.ragged_all_to_all` of the rows alone: the same buckets at
@@ -95,13 +95,13 @@ PIPELINE_HELD_AXES = ("data", "sequence")
 
 
 GEMMS = ("tiled", "ragged_dot", "hopper")  # how a device runs its experts
-CHOICES = ("auto", *GEMMS)  # `model.moe.grouped_gemm`
-DISPATCHES = ("padded", "ragged")  # `model.moe.dispatch`: how the all-to-alls send the rows
+CHOICES = ("auto", *GEMMS)  # `experts.grouped_gemm`
+DISPATCHES = ("padded", "ragged")  # `experts.dispatch`: how the all-to-alls send the rows
 MAX_TILE = 1024  # the most rows of a tile of the tiled grouped GEMM
 
 
 def gemm_for(choice: str, compute_dtype: str, widths: dict[str, int], device: jax.Device) -> str:
-  """`model.moe.grouped_gemm` resolved: `auto` is `hopper` where its kernels run
+  """`experts.grouped_gemm` resolved: `auto` is `hopper` where its kernels run
   (a Hopper GPU, bfloat16 or float16, `widths` they tile), else `tiled`."""
   if choice != "auto":
     return choice

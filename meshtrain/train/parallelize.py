@@ -43,15 +43,19 @@ def run_device(mesh=None) -> jax.Device:
   return jax.devices()[0]
 
 
-def model_config(cfg, device: jax.Device | None = None) -> LlamaConfig:
-  """The model's own settings (its shape, precision and recomputation), the
-  experts' grouped GEMM resolved for `device` (default: `run_device()`)."""
+def model_config(cfg) -> LlamaConfig:
+  """The model's own settings (its shape, precision and recomputation); how
+  it runs on a mesh is its `slots`."""
   model = cfg.model.to_dict()
-  gemm = experts.gemm_for(model["moe"]["grouped_gemm"], cfg.compute_dtype, expert_widths(cfg),
-                          device or run_device())
-  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**{**model["moe"], "grouped_gemm": gemm}),
+  return LlamaConfig(**{**model, "moe": moe.MoEConfig(**model["moe"]),
                         "mla": mla.MLAConfig(**model["mla"])},
                      compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+
+
+def grouped_gemm(cfg, device: jax.Device | None = None) -> str:
+  """`config.experts.grouped_gemm` resolved for `device` (default: `run_device()`)."""
+  return experts.gemm_for(cfg.experts.grouped_gemm, cfg.compute_dtype, expert_widths(cfg),
+                          device or run_device())
 
 
 def expert_widths(cfg) -> dict[str, int]:
@@ -98,8 +102,8 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
   if cfg.model.moe.num_experts:
     slot["experts"] = functools.partial(
         experts.expert_parallel, axes=expert_axes(cfg),
-        per_sequence=model_config(cfg, run_device(mesh)).moe.capacity(cfg.seq_len),
-        dispatch=cfg.model.moe.dispatch)
+        per_sequence=model_config(cfg).moe.capacity(cfg.seq_len),
+        gemm=grouped_gemm(cfg, run_device(mesh)), dispatch=cfg.experts.dispatch)
   if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
     # An expert's capacity counts in position order, through the zigzag.
     slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)
@@ -152,7 +156,7 @@ def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
 def model_spec(cfg, mesh: Mesh) -> ModelSpec:
   """The Llama of `cfg` with its slots filled for `mesh`, its layers' weights
   (and state) stored as the pipeline's stage layout holds them."""
-  return in_stage_slots(llama_spec(model_config(cfg, run_device(mesh)), slots(cfg, mesh), cfg.seed),
+  return in_stage_slots(llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed),
                         stage_layout(cfg))
 
 

@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.config import get_config
+from meshtrain.config import from_saved
 from meshtrain.errors import reading
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.parallelize import stage_layout
@@ -26,9 +26,7 @@ from meshtrain.train.parallelize import stage_layout
 def saved_layout(saved_config: dict) -> StageLayout:
   """The stage layout of a run saved with `saved_config` (its keys over the
   defaults, as `workdir.load_config` reads it)."""
-  cfg = get_config()
-  cfg.update(saved_config)
-  return stage_layout(cfg)
+  return stage_layout(from_saved(saved_config))
 
 
 def _is_stack(path, x, length: int) -> bool:

@@ -78,20 +78,22 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
 
 
 # What an exact resume needs unchanged: the data stream (order, batches, windows)
-# and the model. Optimizer settings may change (say, a lower learning rate after
-# a non-finite stop).
+# and the model's definition. Optimizer settings may change (say, a lower
+# learning rate after a non-finite stop), and so may how the model runs
+# (`config.experts`, `config.attention`, the mesh, precision and recomputation).
 RESUME_KEYS = ("seed", "global_batch", "seq_len", "data", "tokenizer", "model")
 
 
 def resume_changes(saved: dict, cfg, keys=RESUME_KEYS) -> list[str]:
   """`key before -> after` for each setting under `keys` (top-level keys) that
-  differs from the checkpoint's config (keys the checkpoint predates are not
-  compared)."""
+  differs from the checkpoint's config; keys only one of the two has (the
+  checkpoint predates them, or they have left `config.model` since) are not
+  compared."""
   current = json.loads(json.dumps(cfg.to_dict()))  # as saved: tuples become lists
   before, after = (_flat({k: config[k] for k in keys if k in saved and k in current})
                    for config in (saved, current))
-  return [f"{key} {before[key]!r} -> {after.get(key)!r}" for key in before
-          if before[key] != after.get(key)]
+  return [f"{key} {before[key]!r} -> {after[key]!r}" for key in before
+          if key in after and before[key] != after[key]]
 
 
 # What a finished run may differ in from the config that finds it: the steps

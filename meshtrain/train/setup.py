@@ -167,8 +167,8 @@ def validate_moe(cfg, mesh: Mesh) -> None:
   """The Mixture-of-Experts settings against the model and the mesh."""
   moe, key = cfg.model.moe, "config.model.moe"
   _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
-  _check_choice(f"{key}.grouped_gemm", moe.grouped_gemm, experts.CHOICES)
-  _check_choice(f"{key}.dispatch", moe.dispatch, experts.DISPATCHES)
+  _check_choice("config.experts.grouped_gemm", cfg.experts.grouped_gemm, experts.CHOICES)
+  _check_choice("config.experts.dispatch", cfg.experts.dispatch, experts.DISPATCHES)
   if not 1 <= moe.experts_per_token <= moe.num_experts:
     raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
                       f"and model.moe.num_experts = {moe.num_experts}")
@@ -219,17 +219,17 @@ def validate_moe(cfg, mesh: Mesh) -> None:
 def validate_machine(cfg, mesh: Mesh) -> None:
   """What this machine's devices must run (`validate` leaves it out, so that
   `meshtrain plan` plans any config anywhere): the experts' GPU-only paths."""
-  moe, key, device = cfg.model.moe, "config.model.moe", mesh.devices.flat[0]
-  if not moe.num_experts:
+  run, device = cfg.experts, mesh.devices.flat[0]
+  if not cfg.model.moe.num_experts:
     return
-  why = moe.grouped_gemm == "hopper" and hopper_gemm.unsupported(
+  why = run.grouped_gemm == "hopper" and hopper_gemm.unsupported(
       device, cfg.compute_dtype, parallelize.expert_widths(cfg))
   if why:
-    raise ConfigError(f"{key}.grouped_gemm", f"hopper: {why}; use auto or tiled")
+    raise ConfigError("config.experts.grouped_gemm", f"hopper: {why}; use auto or tiled")
   split = math.prod(mesh.shape[a] for a in parallelize.expert_axes(cfg))
-  why = moe.dispatch == "ragged" and split > 1 and experts.ragged_unsupported(device)
+  why = run.dispatch == "ragged" and split > 1 and experts.ragged_unsupported(device)
   if why:
-    raise ConfigError(f"{key}.dispatch", f"ragged: {why}; use padded")
+    raise ConfigError("config.experts.dispatch", f"ragged: {why}; use padded")
 
 
 def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
