@@ -110,6 +110,7 @@ CASES = [
     ("train", ["--config.model.moe.num_experts=8", "--config.mesh.data=1", "--config.mesh.fsdp=8",
                "--config.experts.dispatch=ragged"], "config.experts.dispatch"),  # a CPU
     ("train", ["--config.experts.dispatch=ragged"], "config.experts.dispatch"),  # no experts
+    ("train", ["--config.model.moe.dispatch=padded"], "config.model.moe.dispatch"),  # moved
     ("train", ["--config.model.moe.num_experts=4", "--config.expert_parallel=tensor"],
      "config.expert_parallel"),
     ("train", [*PIPELINE, "--config.model.moe.num_experts=4", "--config.expert_parallel=data"],

@@ -7,6 +7,7 @@ import io
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import meshtrain.config
@@ -101,3 +102,13 @@ def test_resume_changes_list_what_breaks_exact_resume_and_nothing_else():
   cfg = micro_config(**{"experts.grouped_gemm": "ragged_dot", "experts.dispatch": "ragged",
                         "attention.implementation": "xla", "model.moe.num_experts": 4})
   assert resume_changes(saved, cfg) == ["model.moe.num_experts 0 -> 4"]
+
+
+def test_a_key_that_has_moved_is_refused_naming_where_it_went():
+  from conftest import micro_config
+  for old, new in meshtrain.config.MOVED.items():
+    cfg = micro_config()
+    section, _, name = old.rpartition(".")
+    cfg[section][name] = "tiled"  # as a config file written before the move sets it
+    with pytest.raises(ConfigError, match=rf"^config\.{old}: has moved to config\.{new} "):
+      validate.check_values(cfg)
