@@ -1,9 +1,9 @@
 """Fits the planner's two free numbers on the calibration runs alone and
-writes them into meshtrain/analysis/calibration.py and docs/planner.md.
+writes them into meshtrain/planner/calibration.py and docs/planner.md.
 
   python bench/calibrate_planner.py
 
-The rows are `meshtrain.analysis.published.CALIBRATION`, none of them among
+The rows are `meshtrain.planner.published.CALIBRATION`, none of them among
 the runs the planner is validated on (`published.RUNS`). The kernel
 efficiency and the elementwise passes minimize the sum of squared log ratios
 of predicted to published TFLOP/s per device of each run as published (its
@@ -15,13 +15,13 @@ import math
 import sys
 from pathlib import Path
 
-from meshtrain.analysis import clusters, published, search
+from meshtrain.planner import clusters, published, search
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from report import write_section  # noqa: E402
 
-TARGET = REPO / "meshtrain" / "analysis" / "calibration.py"
+TARGET = REPO / "meshtrain" / "planner" / "calibration.py"
 PASSES = [2.0 * i for i in range(31)]
 
 

@@ -82,7 +82,7 @@ def one_device_config(model: str, batch_size: int, seq_len: int, changes: dict):
 
 def cluster_preset(device_kind: str) -> str | None:
   """The planner's cluster preset of a device (`h100` for "NVIDIA H100 80GB HBM3"), if any."""
-  from meshtrain.analysis import clusters
+  from meshtrain.planner import clusters
 
   return next((name for name in clusters.PRESETS if name.upper() in device_kind), None)
 
@@ -91,8 +91,8 @@ def predicted_step_s(row: dict) -> float | None:
   """The planner's step time for a measured row's configuration on its
   device's cluster (None where it models no such setting: offload, XLA's
   attention, `ragged_dot` experts, a device without a cluster)."""
-  from meshtrain.analysis import clusters, search
   from meshtrain.mesh import AXES
+  from meshtrain.planner import clusters, search
 
   changes = SETTINGS[row["setting"]][0]
   cluster = cluster_preset(row["device"])
@@ -114,8 +114,8 @@ def run_one(model: str, batch_size: int, seq_len: int, steps: int, warmup: int,
   import numpy as np
 
   from meshtrain.models.flops import flops_per_token
-  from meshtrain.train.setup import build
   from meshtrain.train.parallelize import attention_kernel, grouped_gemm, model_config
+  from meshtrain.train.setup import build
 
   cfg = one_device_config(model, batch_size, seq_len, changes)
   cfg.steps = warmup + steps + 1

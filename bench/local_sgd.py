@@ -30,8 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshtrain.analysis import hlo  # noqa: E402
-from meshtrain.analysis.plan import compile_step, plan  # noqa: E402
 from meshtrain.config import get_config  # noqa: E402
+from meshtrain.planner.plan import compile_step, plan  # noqa: E402
 from meshtrain.train.loop import train  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 

@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshtrain.analysis import hlo  # noqa: E402
-from meshtrain.analysis.plan import compile_step  # noqa: E402
 from meshtrain.config import load  # noqa: E402
+from meshtrain.planner.plan import compile_step  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ one sequence per device and microbatch. Per schedule:
     measured share of idle ticks of the table the executor runs;
   - in flight per stage (microbatch-chunks awaiting B; Megatron's count);
   - compiled matmul FLOPs of the train step over the unpipelined step's
-    (`analysis.compiled_flops`: loop bodies times trips, each tick's
+    (`tests/compiled_flops.py`: loop bodies times trips, each tick's
     conditionals weighted by the table, `runtime.cond_weights`), both on 8
     devices, remat=none;
   - compiled temp MiB per device.
@@ -28,14 +28,15 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from meshtrain.analysis import compiled_flops, hlo  # noqa: E402
-from meshtrain.analysis.plan import compile_step  # noqa: E402
+from meshtrain.analysis import hlo  # noqa: E402
 from meshtrain.config import get_config  # noqa: E402
 from meshtrain.parallel.pipeline import draw, measures, runtime, schedule as schedules  # noqa: E402
+from meshtrain.planner.plan import compile_step  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "tests")]  # compiled_flops: a tool the tests share
+import compiled_flops  # noqa: E402
 from report import write_section  # noqa: E402
 
 SIZES = [(4, 8), (4, 32), (8, 8), (8, 32)]

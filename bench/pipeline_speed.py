@@ -72,8 +72,8 @@ def compiled_figures(schedule: str) -> dict:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   sys.path.insert(0, str(REPO))
   from meshtrain.analysis import hlo
-  from meshtrain.analysis.plan import compile_step
   from meshtrain.config import get_config
+  from meshtrain.planner.plan import compile_step
   from meshtrain.train.setup import build
   cfg = get_config()
   cfg.model.update(MODEL)

@@ -2,7 +2,7 @@
 
   python bench/planner_validation.py
 
-For each run of `meshtrain.analysis.published`: the rank of the published mesh
+For each run of `meshtrain.planner.published`: the rank of the published mesh
 among every configuration that fits, its predicted TFLOP/s per device beside
 the published figure, and the planner's own first choice with how much
 faster it predicts it than the published mesh (with the recomputation the
@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.analysis import clusters, published, search
 from meshtrain.config import load
+from meshtrain.planner import clusters, published, search
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from meshtrain import config  # noqa: E402
-from meshtrain.analysis.plan import plan  # noqa: E402
+from meshtrain.planner.plan import plan  # noqa: E402
 
 # preset, devices, --config overrides (a mesh that holds it at its own batch)
 ROWS = [

@@ -9,7 +9,7 @@ device, and with `NamedSharding` over 8 devices, batch split, weights
 replicated), then meshtrain under every strategy. Each is compiled once; then
 they take turns, `rounds` times, so that a slow spell of the shared machine hits
 them all alike; a time is the median step. Then each profiles one step
-(`meshtrain.analysis.trace`) for the collective bytes it ran (not every branch
+(`tests/op_trace.py`) for the collective bytes it ran (not every branch
 of the compiled program). Writes bench/results/strategies.json
 and the table between the markers in docs/benchmarks.md.
 """
@@ -27,16 +27,17 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from meshtrain.analysis.plan import analytic  # noqa: E402
-from meshtrain.analysis import hlo, trace  # noqa: E402
+from meshtrain.analysis import hlo  # noqa: E402
 from meshtrain.config import load  # noqa: E402
 from meshtrain.data import make_iterator  # noqa: E402
+from meshtrain.planner.plan import analytic  # noqa: E402
 from meshtrain.train.loop import to_global  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 from meshtrain.train.state import merged  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "tests")]  # op_trace: a tool the tests share
+import op_trace  # noqa: E402
 from report import write_section  # noqa: E402
 
 STRATEGIES = {  # name -> config changes
@@ -110,7 +111,7 @@ class PlainRunner:
   def collective_bytes(self) -> int:
     """Bytes per device of one step as it ran: a profiled step, so that a
     pipeline's tick, a conditional, counts only the branch it took."""
-    executed = trace.executions(self.step, self.compiled, self.mesh.size)
+    executed = op_trace.executions(self.step, self.compiled, self.mesh.size)
     return sum(c.bytes for c in hlo.collectives(self.compiled, self.mesh, executed))
 
   def timed(self, steps):

@@ -17,8 +17,8 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 from meshtrain.analysis import hlo  # noqa: E402
-from meshtrain.analysis.plan import analytic, compile_step  # noqa: E402
 from meshtrain.config import load  # noqa: E402
+from meshtrain.planner.plan import analytic, compile_step  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,8 +19,8 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from meshtrain.analysis.plan import plan  # noqa: E402
 from meshtrain.config import load  # noqa: E402
+from meshtrain.planner.plan import plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

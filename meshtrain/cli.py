@@ -21,17 +21,18 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import meshtrain.config
-from meshtrain import (distributed, flag_parsing, generate, gpu_targets, launch, usage, validate,
-                       workdir as saved_run)
-from meshtrain.analysis import clusters, search, selfcheck, verdict
-from meshtrain.analysis.plan import format_plan, plan
+from meshtrain import (distributed, flag_parsing, generate, gpu_targets, hf_import, launch, usage,
+                       validate, workdir as saved_run)
+from meshtrain.analysis import selfcheck
 from meshtrain.checkpoint import storage_error
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.data.prepare import INPUT_FORMATS, TEXT_FIELD, prepare
 from meshtrain.errors import ConfigError, StorageError, TrainingHalted
 from meshtrain.hf import exporter, importer
 from meshtrain.parallel.pipeline import draw, measures, schedule as schedules
-from meshtrain.train import plot, resume
+from meshtrain.planner import clusters, search, verdict
+from meshtrain.planner.plan import format_plan, plan
+from meshtrain.train import plot
 from meshtrain.train.evaluate import evaluate_checkpoint
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
@@ -417,7 +418,7 @@ def import_hf_command(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   _check_import_flags()
   cfg = joined_config()
-  workdir = resume.import_hf(cfg, _FROM.value, _TO.value)
+  workdir = hf_import.import_hf(cfg, _FROM.value, _TO.value)
   if jax.process_index() == 0:
     print(f"imported {_FROM.value} into {workdir}; fine-tune with "
           f"`meshtrain train --config configs/finetune_hf.py:{workdir}`")
@@ -618,7 +619,7 @@ def _check_launched(command: list[str], num_processes: int, devices_per_process:
   if launched is train_command:
     validate.check_workdir(cfg)
   if launched is import_hf_command:  # the model it makes, as each process will
-    importer.prepare(cfg, Path(_FROM.value), Path(_TO.value).absolute())
+    hf_import.prepare(cfg, Path(_FROM.value), Path(_TO.value).absolute())
   if launched is generate_command:
     _sampling(cfg)
   cfg.simulate_devices = devices_per_process or cfg.simulate_devices

@@ -8,7 +8,7 @@ an upgrade that changes one fails there first, by name, not deep in a step.
                 (`jax._src`), replaying an equation and rebuilding a jaxpr
                 from some of its equations: pipeline/split.py cuts a layer's
                 backward into B and W with them.
-  parameters    what analysis/residuals.py reads of primitives' parameters to
+  parameters    what planner/residuals.py reads of primitives' parameters to
                 carry layouts through a jaxpr (`param`, `PARAMS`).
   varying axes  which manual axes a value inside a `shard_map` varies over
                 (`varying_axes`, `struct_of`): the pipeline types its

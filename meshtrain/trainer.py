@@ -27,10 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.errors import ConfigError
 from meshtrain.analysis import selfcheck
-from meshtrain.analysis import plan
+from meshtrain.errors import ConfigError
 from meshtrain.models.patterns import Patterns, names_by_path
+from meshtrain.planner import plan
 from meshtrain.train.state import ModelSpec, TrainState, init_state, nnx_spec, state_shardings
 from meshtrain.train.step import TrainStep
 
@@ -153,7 +153,7 @@ class Trainer:
 
   def plan(self, batch: dict) -> dict:
     """Per-device memory of the step on batches shaped like `batch`, activations
-    read from the model (`meshtrain.analysis.plan.trainer_plan`); nothing runs."""
+    read from the model (`meshtrain.planner.plan.trainer_plan`); nothing runs."""
     return plan.trainer_plan(self, batch)
 
   def param_shardings(self) -> Any:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def labels(cfg, devices: int = 8) -> frozenset[str]:
   """What `cfg` (a micro config on `devices`) composes, as short names."""
-  from meshtrain.analysis.plan import abstract_mesh
+  from meshtrain.planner.plan import abstract_mesh
   sizes = dict(abstract_mesh(cfg.mesh, devices).shape)
   found = {axis for axis, size in sizes.items() if size > 1} or {"one device"}
   if sizes["sequence"] > 1:

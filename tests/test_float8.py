@@ -22,9 +22,9 @@ from test_hf_families import (assert_import_computes_logits, assert_logits_close
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
 from meshtrain.hf import float8, load as hf_load
-from meshtrain.hf.load import check_model
 from meshtrain.hf.exporter import export_hf
-from meshtrain.train.resume import import_hf
+from meshtrain.hf.load import check_model
+from meshtrain.hf_import import import_hf
 from meshtrain.train.setup import build
 
 E4M3_MAX = 448.0

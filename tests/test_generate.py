@@ -19,8 +19,8 @@ from meshtrain import generate, workdir as saved_run
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
-from meshtrain.train.resume import import_hf
 from meshtrain.hf.load import load_params
+from meshtrain.hf_import import import_hf
 from meshtrain.train.setup import build
 from test_hf import CASES, save_hf_llama
 from test_mla import MLA

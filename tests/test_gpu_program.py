@@ -18,8 +18,8 @@ from conftest import REPO, micro_config
 
 from meshtrain import gpu_targets, quiet_cuda, validate
 from meshtrain.analysis import gpu_program, hlo
-from meshtrain.analysis.plan import compile_step, measured_on_target, plan
 from meshtrain.errors import ConfigError
+from meshtrain.planner.plan import compile_step, measured_on_target, plan
 from meshtrain.train import parallelize, xla_options
 from meshtrain.train.setup import build
 

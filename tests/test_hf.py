@@ -20,14 +20,14 @@ import transformers
 from flax import nnx
 
 from conftest import REPO, micro_config
-from meshtrain.data import make_iterator
-from meshtrain.hf import config as hf_config
-from meshtrain.errors import ConfigError
-from meshtrain.hf.exporter import export_hf
-from meshtrain.train.resume import import_hf
 from meshtrain import workdir as saved_run
+from meshtrain.data import make_iterator
+from meshtrain.errors import ConfigError
+from meshtrain.hf import config as hf_config
+from meshtrain.hf.exporter import export_hf
 from meshtrain.hf.load import load_params
 from meshtrain.hf.weights import hf_weights
+from meshtrain.hf_import import import_hf
 from meshtrain.models.patterns import path_string
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots

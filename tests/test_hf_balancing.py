@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import REPO
-from meshtrain import config
+from meshtrain import config, hf_import
 from meshtrain.hf import config as hf_config, importer
 
 MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 64,
@@ -23,7 +23,7 @@ def test_mixtrals_coefficient_is_k_times_in_meshtrains_convention(tmp_path):
   (tmp_path / "hf").mkdir()
   (tmp_path / "hf/config.json").write_text(json.dumps(MIXTRAL))
   cfg = config.get_config()
-  importer.prepare(cfg, tmp_path / "hf", tmp_path / "run")
+  hf_import.prepare(cfg, tmp_path / "hf", tmp_path / "run")
   assert cfg.model.moe.aux_loss_coef == pytest.approx(0.04)
   assert cfg.model.moe.bias_update_rate == 0
   note = importer.balancing_note(tmp_path / "hf", cfg.model.moe)

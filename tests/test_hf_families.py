@@ -27,8 +27,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config, importer
 from meshtrain.hf.exporter import export_hf
 from meshtrain.hf.load import layers_not_read, load_model_state, load_params
+from meshtrain.hf_import import import_hf
 from meshtrain.train.loop import train
-from meshtrain.train.resume import import_hf
 from meshtrain.train.setup import build
 from test_hf import meshtrain_logits
 

@@ -15,7 +15,8 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshtrain.analysis import hlo, trace
+import op_trace
+from meshtrain.analysis import hlo
 
 MESH_2x4 = ((2, 4), ("data", "fsdp"))
 MESH_2x2x2 = ((2, 2, 2), ("data", "fsdp", "tensor"))
@@ -203,7 +204,7 @@ def test_a_traced_run_counts_only_the_branches_taken():
     return lax.scan(step, a, jnp.arange(6))[0]
 
   compiled = compile_shard_map(mesh, psum_every_third, x, spec, spec)
-  executed = trace.executions(lambda: compiled(x), compiled, mesh.size)
+  executed = op_trace.executions(lambda: compiled(x), compiled, mesh.size)
   per_run = 2 * block_bytes(mesh, x.shape, spec) * 3 // 4
   assert hlo.collectives(compiled, mesh) == [  # static: the branch as if taken every time
       hlo.Collective("all-reduce", "fsdp", 6, 6 * per_run, True)]

@@ -22,7 +22,7 @@ def _equation(fn, *args, primitive: str):
 
 
 X = jnp.ones((4, 6))
-# One function per primitive whose parameters analysis/residuals.py reads.
+# One function per primitive whose parameters planner/residuals.py reads.
 PRODUCERS = {
     "dot_general": lambda: (lambda a: jnp.einsum("ij,kj->ik", a, a), X),
     "transpose": lambda: (lambda a: a.T, X),

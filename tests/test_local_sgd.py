@@ -15,8 +15,8 @@ from conftest import REPO, micro_config, micro_flags
 from reference import random_batches, reference_run
 from meshtrain import cli
 from meshtrain.analysis import hlo
-from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.errors import ConfigError
+from meshtrain.planner.plan import compile_step, plan
 from meshtrain.train import local_sgd
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots

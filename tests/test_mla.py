@@ -14,12 +14,12 @@ from conftest import REPO, micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from test_plan import by_axis, executed_collectives
-from meshtrain.analysis import clusters, search
-from meshtrain.analysis.plan import analytic
-from meshtrain.mesh import AXES
 from meshtrain.config import load
+from meshtrain.mesh import AXES
 from meshtrain.models import flops, mla
 from meshtrain.parallel import attention
+from meshtrain.planner import clusters, search
+from meshtrain.planner.plan import analytic
 from meshtrain.train.parallelize import model_config
 from meshtrain.train.setup import build
 

@@ -26,13 +26,13 @@ from equivalence import assert_matches_one_device, meshtrain_run
 from reference import random_batches
 from meshtrain import rules as r
 from meshtrain.analysis import hlo
-from meshtrain.analysis.plan import compile_step, plan
 from meshtrain.config import load
 from meshtrain.mesh import make_mesh
-from meshtrain.models.layers import MLP
 from meshtrain.models import moe as moe_lib
+from meshtrain.models.layers import MLP
 from meshtrain.models.moe import MoE, MoEConfig, top_k_indices, update_bias
 from meshtrain.parallel import experts, hopper_gemm
+from meshtrain.planner.plan import compile_step, plan
 from meshtrain.train.loop import train
 from meshtrain.train.setup import build
 from meshtrain.workdir import load_model_state

@@ -24,8 +24,8 @@ from reference import random_batches
 from test_moe import (MOE, MESHES, STEPS, TENSOR_DISPATCH, mesh_of,
                       assert_split_experts_equal_the_plain_loop,
                       assert_tensor_shares_equal_one_device)
-from meshtrain.analysis.plan import format_plan, plan
 from meshtrain.parallel import experts
+from meshtrain.planner.plan import format_plan, plan
 from meshtrain.train.setup import ConfigError, build
 
 

@@ -281,9 +281,9 @@ def test_model_flops_grow_with_a_module_as_the_compiled_step_does():
   block's and projection's weights and one more output head: its growth from
   none to two modules is the compiled step's (its dot FLOPs, forward and
   backward, over the batch's tokens)."""
-  from meshtrain.analysis import compiled_flops
-  from meshtrain.analysis.plan import compile_step
+  import compiled_flops
   from meshtrain.models import flops
+  from meshtrain.planner.plan import compile_step
   from meshtrain.train.setup import build
 
   def counts(depth):
@@ -304,7 +304,7 @@ def test_the_tables_gradient_is_reduce_scattered_as_planned_not_all_reduced_whol
   `Embed.table` pinned the gradient's layout)."""
   from conftest import step_collectives
   from meshtrain.analysis import hlo
-  from meshtrain.analysis.plan import compile_step, plan
+  from meshtrain.planner.plan import compile_step, plan
   from meshtrain.train.setup import build
   cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": 1})
   setup = build(cfg)
@@ -326,9 +326,9 @@ def test_a_routed_module_trains_logs_and_resumes_bit_exactly(tmp_path):
   last stage) continues within float32 rounding. (No switch loss: the
   pipeline's is its microbatches', not the batch's.)"""
   from test_moe import moe_run_config
-  from meshtrain.workdir import load_model_state
   from meshtrain.train.loop import train
   from meshtrain.train.setup import build
+  from meshtrain.workdir import load_model_state
 
   def run(name, **changes):
     return train(moe_run_config(tmp_path / name, **{"model.mtp_layers": 1,
@@ -406,8 +406,8 @@ def test_plan_counts_the_modules_residuals_as_the_compiled_forward_saves_them():
   which keeps the head's residuals."""
   from test_residuals import compiled_residual_bytes
   import meshtrain
-  from meshtrain.analysis import residuals
-  from meshtrain.analysis.plan import llama_loss, plan
+  from meshtrain.planner import residuals
+  from meshtrain.planner.plan import llama_loss, plan
   from meshtrain.train.setup import build
   saved = {}
   for depth in (0, 2):
@@ -443,7 +443,7 @@ def test_under_recomputation_the_modules_keep_no_copy_of_their_weights(remat):
   """Module k's weights are sliced out of the stacked ones inside the
   recomputed function, so what the head and the modules keep for the
   backward grows with the sequences alone: nothing fixed beside it."""
-  from meshtrain.analysis.plan import abstract_mesh, layer_and_head_residuals
+  from meshtrain.planner.plan import abstract_mesh, layer_and_head_residuals
   from meshtrain.train.setup import sharding_rules
   cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": 2, "remat": remat})
   mesh = abstract_mesh(cfg.mesh, 8)
@@ -456,8 +456,8 @@ def test_the_planner_gives_the_modules_work_to_the_last_pipeline_chunk():
   devices, with two modules: the last chunk does the first's layers, the
   head's matmuls and the modules' FLOPs (`flops.mtp_per_token`, the growth
   the compiled step confirms above) on 16 x 16 tokens over its 4 devices."""
-  from meshtrain.analysis import clusters, search
   from meshtrain.models import flops
+  from meshtrain.planner import clusters, search
   cfg = micro_config(**{"model.num_layers": 4, "model.mtp_layers": 2})
   cluster = clusters.PRESETS["h100"]
   model = search.StepModel(cfg, cluster)

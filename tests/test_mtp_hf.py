@@ -28,8 +28,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf import float8, importer
 from meshtrain.hf.exporter import export_hf
 from meshtrain.hf.load import check_model, layers_not_read, load_params
+from meshtrain.hf_import import import_hf
 from meshtrain.train.loss import mtp_batch
-from meshtrain.train.resume import import_hf
 from meshtrain.train.setup import build
 
 N = FAMILIES["deepseek_v3"]["num_hidden_layers"]  # the test model's layers; modules from N on

@@ -20,7 +20,7 @@ from conftest import micro_config, tiered
 from reference import random_batches
 from equivalence import assert_matches_one_device, meshtrain_run
 from meshtrain.analysis import hlo, selfcheck
-from meshtrain.analysis.plan import compile_step, plan
+from meshtrain.planner.plan import compile_step, plan
 from meshtrain.train.setup import build
 
 

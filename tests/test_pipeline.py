@@ -8,11 +8,12 @@ import functools
 
 import pytest
 
+import compiled_flops
 from conftest import micro_config
-from meshtrain.analysis import compiled_flops, hlo
-from meshtrain.analysis.plan import compile_step
+from meshtrain.analysis import hlo
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline import runtime, schedule as schedules
+from meshtrain.planner.plan import compile_step
 from meshtrain.train.setup import build
 
 

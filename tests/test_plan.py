@@ -1,6 +1,6 @@
 """The analytic model of `meshtrain plan` against what a real step moves.
 
-The measurement is one profiled step (`meshtrain.analysis.trace`): the ops that
+The measurement is one profiled step (`op_trace`, beside the tests): the ops that
 ran, so a pipeline's conditional ticks count only the branches taken. ZeRO and
 FSDP are checked in test_zero.py from the static counts, which are exact there.
 """
@@ -12,9 +12,10 @@ import re
 import jax
 import pytest
 
+import op_trace
 from conftest import micro_config, step_collectives, tiered
-from meshtrain.analysis import hlo, trace
-from meshtrain.analysis.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
+from meshtrain.analysis import hlo
+from meshtrain.planner.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
                                      split_bytes, stage_layers)
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
@@ -56,7 +57,7 @@ def executed_collectives(setup) -> list[dict]:
   compiled = setup.train_step.lower(state, batch).compile()
   state, metrics = setup.train_step(state, batch)
   jax.block_until_ready(metrics)
-  executed = trace.executions(lambda: setup.train_step(state, batch), compiled, setup.mesh.size)
+  executed = op_trace.executions(lambda: setup.train_step(state, batch), compiled, setup.mesh.size)
   return [vars(c) for c in hlo.collectives(compiled, setup.mesh, executed)]
 
 

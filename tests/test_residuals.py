@@ -11,7 +11,7 @@ from flax import nnx
 import meshtrain
 from conftest import micro_config
 from test_mla import MLA
-from meshtrain.analysis import residuals
+from meshtrain.planner import residuals
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.setup import build
 

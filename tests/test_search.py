@@ -16,13 +16,13 @@ from absl import flags
 from ml_collections import config_flags
 
 from conftest import REPO, micro_config, tiered
-from meshtrain.analysis import calibration, clusters, costs, published, search
-from meshtrain.analysis.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
+from meshtrain.planner import calibration, clusters, costs, published, search
+from meshtrain.planner.plan import abstract_mesh, activation_bytes, backward_bytes
 from meshtrain.train.setup import sharding_rules
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import micro_config, step_collectives
 from meshtrain.analysis import hlo
-from meshtrain.analysis.plan import analytic, compile_step
+from meshtrain.planner.plan import analytic, compile_step
 from meshtrain.train.setup import build
 
 

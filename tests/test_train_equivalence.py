@@ -10,7 +10,7 @@ import pytest
 from conftest import micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
-from meshtrain.analysis.plan import compile_step
+from meshtrain.planner.plan import compile_step
 from meshtrain.train.setup import build
 
 STEPS = 5

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from meshtrain import cli
-from meshtrain.analysis.verdict import verdict
+from meshtrain.planner.verdict import verdict
 
 GIB = 2**30
 H100_USABLE = 80e9 * 0.9  # the datasheet's 80 GB, of which a step plans for 90%

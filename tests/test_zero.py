@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, micro_config, tiered
-from meshtrain.analysis.plan import plan
+from meshtrain.planner.plan import plan
 
 
 def load_config(name):

@@ -562,7 +562,7 @@ def collective_ops(program: str | _HasText, mesh: Mesh,
     mesh: the mesh the program was compiled for; device ids are mapped to its
       coordinates.
     executed: how often each op ran per device in a real run
-      (`meshtrain.analysis.trace.executions`); by default counts are static:
+      (`executions` of tests/op_trace.py); by default counts are static:
       loop bodies times their trip count, every conditional branch as if it ran.
 
   Async pairs count once (the `-start`); `-done` ops are skipped. Warns when a

@@ -1,6 +1,6 @@
 """The files a Hugging Face import keeps beside its step-0 checkpoint.
 
-`meshtrain import-hf` (`meshtrain.train.resume.import_hf`) writes a workdir
+`meshtrain import-hf` (`meshtrain.hf_import`) writes a workdir
 that `meshtrain train` continues (fine-tuning) and that `export-hf` and
 `generate` read: `config.json` (the run's config with the model's shape), the
 source's own config as `hf_config.json` (kept for export), its tokenizer
@@ -11,43 +11,13 @@ import json
 import shutil
 from pathlib import Path
 
-from meshtrain import validate, workdir as saved_run
-from meshtrain.data import tokenizer as tokenizers
-from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config
-from meshtrain.hf.load import check_mtp_layers, layers_not_read
+from meshtrain.hf.load import layers_not_read
 
 HF_CONFIG_FILE = "hf_config.json"  # in a workdir: the imported model's config.json
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
 PREFIX = "hf:"  # config.init_from=hf:DIR
-
-
-def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
-  """Checks `source` and `workdir` before anything is written and sets `cfg`'s
-  model, workdir and tokenizer for the import. `cfg` is one that
-  `validate.check_config` passed (the CLI checks it before); with the model
-  set, its values are checked again, a failure there being the model's. Returns
-  the source's config and whether it has a tokenizer. `cfg`'s own
-  `model.mtp_layers` stays: how many of the source's multi-token prediction
-  modules (at most all) the run imports and trains."""
-  hf = hf_config.read(source, key="--from")
-  run = (workdir / "checkpoints").exists() or (workdir / "config.json").exists()
-  saved_run.check_new_directory(workdir, "--to", "a run" if run else None)
-  try:
-    cfg.model.update(hf_config.model_keys(hf))
-    hf_config.apply_balancing(hf, cfg.model.moe)
-    validate.check_values(cfg)
-  except (ConfigError, TypeError) as error:  # TypeError: a value of the wrong type
-    raise ConfigError("--from", f"{source / hf_config.CONFIG_FILE} does not make a model "
-                      f"meshtrain runs ({error})") from None
-  check_mtp_layers(source, hf, cfg.model.mtp_layers)
-  cfg.workdir = str(workdir)
-  has_tokenizer = (source / tokenizers.TOKENIZER_FILE).is_file()
-  if has_tokenizer:
-    tokenizers.load(str(source), key="--from")  # fails here, not after writing
-    cfg.tokenizer = str(workdir)
-  return hf, has_tokenizer
 
 
 def write_files(cfg, hf: dict, source: Path, workdir: Path, has_tokenizer: bool) -> None:
@@ -62,7 +32,7 @@ def write_files(cfg, hf: dict, source: Path, workdir: Path, has_tokenizer: bool)
 
 def balancing_note(source: Path, moe) -> str | None:
   """The note of the MoE balancing a run of `source`'s weights uses (`moe`, its
-  `config.model.moe`, which `prepare` or the config file set); None for a
+  `config.model.moe`, which `hf_import.prepare` or the config file set); None for a
   dense model."""
   return hf_config.apply_balancing(hf_config.read(source, key="--from"), moe)
 

@@ -1,6 +1,5 @@
 """Where a run starts: its workdir's newest checkpoint, another run's, a
-Hugging Face model's weights, or a fresh init; and `import_hf`, which writes a
-Hugging Face model as a run's step 0."""
+Hugging Face model's weights, or a fresh init."""
 
 import dataclasses
 import json
@@ -10,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.checkpoint import Checkpoints
-from meshtrain.data import make_iterator
 from meshtrain.errors import ConfigError
 from meshtrain.hf import importer
 from meshtrain.hf.load import check_model, load_model_state, load_params
@@ -19,7 +17,7 @@ from meshtrain.train.optimizer import schedule_change
 from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.relayout import Relayout, saved_layout
-from meshtrain.train.setup import Setup, build, with_packing
+from meshtrain.train.setup import Setup
 from meshtrain.train.state import TrainState
 
 
@@ -171,24 +169,3 @@ def init_from(cfg, setup: Setup) -> TrainState:
   if note and jax.process_index() == 0:
     print(note, flush=True)
   return initial_state(setup, directory, key=key)
-
-
-def import_hf(cfg, source, workdir) -> Path:
-  """Writes `workdir` from the Hugging Face model in `source` on the mesh of
-  `cfg` (a config `validate.check_config` passed): its files
-  (`meshtrain.hf.importer`) and a step-0 checkpoint."""
-  source, workdir = Path(source), Path(workdir).absolute()
-  hf, has_tokenizer = importer.prepare(cfg, source, workdir)
-  cfg = with_packing(cfg)  # saved as a run saves it, so that the run resumes it
-  setup = build(cfg)
-  state = initial_state(setup, source, key="--from")
-  batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
-                          vocab_size=cfg.model.vocab_size, seed=cfg.seed)
-  if jax.process_index() == 0:
-    importer.write_files(cfg, hf, source, workdir, has_tokenizer)
-  checkpoints = Checkpoints(workdir / "checkpoints", keep=cfg.checkpoint.keep, config_key="--to")
-  try:
-    checkpoints.save(0, state, batches, cfg)
-  finally:
-    checkpoints.close()
-  return workdir

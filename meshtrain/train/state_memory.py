@@ -6,7 +6,7 @@ it computes (`params`), as its gradient accumulates (`grads`) and as the
 optimizer keeps it (`optimizer`). `leaf_layouts` reads, per weight, which
 mesh axes split it in each and what one device holds; `state_bytes` sums
 them; `check_fits` refuses, before anything is allocated, a run whose state
-outgrows a device. The planner (`analysis.plan.analytic`) adds the
+outgrows a device. The planner (`planner.plan.analytic`) adds the
 activations and the collectives to the same layouts.
 """
 

@@ -70,7 +70,7 @@ SCOPES = ("pipeline_F", "pipeline_B", "pipeline_W", "pipeline_F_head", "pipeline
 def cond_weights(schedule: Schedule) -> dict[str, float]:
   """Per conditional of a tick (by its named scope), the share of its runs
   that take the branch, averaged over stages: the weights
-  `analysis.compiled_flops.dot_flops` needs. A nested one (the head's, the
+  `tests/compiled_flops.py`'s `dot_flops` needs. A nested one (the head's, the
   embedding's) counts among the runs of the branch it sits in."""
   op = schedule.op
   stage = np.arange(schedule.num_stages)[None, :]

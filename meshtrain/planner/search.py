@@ -2,10 +2,10 @@
 microbatches and pipeline stage layout for a model on a cluster, ranked by a
 predicted step time.
 
-Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`):
+Step-time model (per step, one device; the parts are `meshtrain.planner.costs`):
 
   compute   hardware FLOPs / devices / (peak x KERNEL_EFFICIENCY), the one
-            fitted number (`meshtrain.analysis.calibration`): the model's
+            fitted number (`meshtrain.planner.calibration`): the model's
             FLOPs (`meshtrain.models.flops`, PaLM's count) plus what
             recomputation adds (a layer forward under remat=full, the
             attention core under selective); plus what each weight matmul
@@ -15,7 +15,7 @@ Step-time model (per step, one device; the parts are `meshtrain.analysis.costs`)
             All devices do alike, but on a pipeline: there each chunk does
             its layers' share (`config.pipeline.stage_layers`) and the last
             also the head's matmuls; compute is the busiest stage's.
-  comms     each collective of `meshtrain.analysis.plan.analytic` by latency
+  comms     each collective of `meshtrain.planner.plan.analytic` by latency
             per hop and bandwidth of the link class its mesh axes cross: an
             axis crosses hosts when it and the axes inside it
             (`meshtrain.mesh.AXES`, tensor innermost) hold more devices than
@@ -55,13 +55,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import rules as r
-from meshtrain.analysis import calibration, costs, plan as plan_lib, published, residuals
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import AXES
 from meshtrain.models import flops, mla
 from meshtrain.parallel import attention, experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
-from meshtrain.analysis.clusters import Cluster
-from meshtrain.errors import ConfigError
-from meshtrain.mesh import AXES
+from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
+from meshtrain.planner.clusters import Cluster
 from meshtrain.train import setup as setup_lib
 from meshtrain.train.parallelize import llama_spec, model_config, slots
 
@@ -862,7 +862,7 @@ def as_published(model: StepModel, run, results: list[Estimate] | None = None) -
 
 def check_published(run, rank: bool = True, efficiency: float = calibration.KERNEL_EFFICIENCY,
                     elementwise: float = calibration.ELEMENTWISE_PASSES) -> dict:
-  """A published run (`meshtrain.analysis.published`) through the planner: the
+  """A published run (`meshtrain.planner.published`) through the planner: the
   predicted TFLOP/s per device of its configuration as published (its
   recomputation, counted where the publication counts it), the rank of its
   mesh among everything that fits (with the meshes tied with it), and the

@@ -63,7 +63,7 @@ def hops(kind: str, n: int) -> int:
 def collective_seconds(kind: str, n: int, ring_bytes: float, count: float, bandwidth: float,
                        latency: float) -> float:
   """`count` collectives over `n` devices moving `ring_bytes` per device in
-  all (the ring convention of `meshtrain.analysis.plan`) on links of
+  all (the ring convention of `meshtrain.planner.plan`) on links of
   `bandwidth` bytes/s per direction and `latency` s per hop."""
   return ring_bytes / (bandwidth * COLLECTIVE_BANDWIDTH) + count * hops(kind, n) * latency
 

@@ -10,8 +10,8 @@ planner (docs/planner.md, tests/test_search.py) and is never used to fit."""
 import dataclasses
 
 from meshtrain import config as config_lib
-from meshtrain.analysis import clusters
 from meshtrain.parallel.pipeline.stages import balanced_counts
+from meshtrain.planner import clusters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ RUNS = (
     *(_mt_nlg(nodes, tflops) for nodes, tflops in MT_NLG_TFLOPS.items()),
 )
 
-# Clusters of published runs that no preset of `meshtrain.analysis.clusters`
+# Clusters of published runs that no preset of `meshtrain.planner.clusters`
 # describes. Jean Zay's A100 partition (BLOOM's tr11 README; Le Scao et al.
 # 2022 on its hardware): 8 A100 80GB a node with NVLink (taken as the
 # `a100_80gb` preset's), and 4 Omni-Path links of 100 Gb/s a node: 50 GB/s

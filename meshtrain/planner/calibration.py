@@ -1,5 +1,5 @@
 """The planner's fitted numbers, written by `python bench/calibrate_planner.py`
-(do not edit by hand), fitted on `meshtrain.analysis.published.CALIBRATION`
+(do not edit by hand), fitted on `meshtrain.planner.published.CALIBRATION`
 alone, never on the runs the planner is validated on:
 
 KERNEL_EFFICIENCY: the share of peak FLOP/s a bf16 step's matmuls (and the

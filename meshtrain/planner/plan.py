@@ -20,7 +20,7 @@ chunk's slots and make the step wait for the fullest stage (`stage_layers`).
 Activations move too (`_activation_traffic`): Megatron's collectives under `tensor`, attention's
 under `sequence`, the pipeline's sends between stages. Bytes follow the ring
 convention of `meshtrain.analysis.hlo`. Activations are what the model itself
-saves for its backward (`meshtrain.analysis.residuals`: the residuals of
+saves for its backward (`meshtrain.planner.residuals`: the residuals of
 `jax.vjp` on abstract values, each in its layout on the mesh), embedding, head
 and logits included; docs/memory_plan.md sets them beside Korthikanti et
 al.'s formulas.
@@ -38,11 +38,12 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import gpu_targets, rules as r
-from meshtrain.analysis import clusters, costs, gpu_program, hlo, residuals
-from meshtrain.models import flops, mla
+from meshtrain.analysis import gpu_program, hlo
 from meshtrain.mesh import AXES, axis_sizes, make_mesh
+from meshtrain.models import flops, mla
 from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline.split import split_vjp
+from meshtrain.planner import clusters, costs, residuals
 from meshtrain.train import local_sgd, pipelined, setup as setup_lib
 from meshtrain.train.loss import model_loss, with_loss_weights
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
@@ -509,7 +510,7 @@ def _microbatch_rows(cfg, mesh) -> int:
 
 def activation_bytes(cfg, mesh, rules: r.ShardingRules, on_host: bool = False) -> int:
   """Peak bytes per device of the residuals the model saves for its backward
-  (`meshtrain.analysis.residuals`) in device memory, or `on_host` (those
+  (`meshtrain.planner.residuals`) in device memory, or `on_host` (those
   `remat="offload"` moves there). A pipeline stage holds `pipeline_slots` of
   a chunk's inputs, of its layers' residuals and of the head's, for one
   microbatch each.
