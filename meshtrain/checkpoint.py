@@ -22,12 +22,12 @@ and batches do not depend on the number of processes, so one position restores
 in any number of processes.
 """
 
+import asyncio
 import contextlib
 import json
 import logging
 import re
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +80,17 @@ def _runtime_error(error: BaseException) -> BaseException | None:
 
 
 def _closed_loop(value, tb) -> bool:
-  """asyncio's `Event loop is closed`, met by a thread that is not Python's main one."""
-  if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed" and
-          threading.current_thread() is not threading.main_thread()):
-    return False
-  while tb is not None and tb.tb_next is not None:
+  """asyncio's `Event loop is closed`, met by a callback that native code
+  (tensorstore's threads, or a tensorstore future collected in any thread)
+  made straight into a closed loop: the traceback holds asyncio's
+  `call_soon_threadsafe` and the check that raised, and no Python caller."""
+  codes = []
+  while tb is not None:
+    codes.append(tb.tb_frame.f_code)
     tb = tb.tb_next
-  return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
+  return (isinstance(value, RuntimeError) and str(value) == "Event loop is closed" and
+          [code.co_name for code in codes] == ["call_soon_threadsafe", "_check_closed"] and
+          all(code.co_filename == asyncio.base_events.__file__ for code in codes))
 
 
 def _excepthook(kind, value, tb):
@@ -118,14 +122,27 @@ def _quieted(except_next, unraisable_next) -> tuple:
   return excepthook, unraisablehook
 
 
+def _not_a_leftover_read(record: logging.LogRecord) -> bool:
+  """asyncio's `Task exception was never retrieved`, logged when one of
+  orbax's other reads of a checkpoint that failed to read is collected, does
+  not pass; asyncio's other records do."""
+  error = record.exc_info[1] if record.exc_info else None
+  return not (error is not None and "exception was never retrieved" in record.getMessage() and
+              (damage_reason(error) is not None or "[tensorstore_spec=" in str(error)))
+
+
 def _quiet_leftovers() -> None:
   """After a failed restore: orbax's other reads go on, their callbacks meet
   the closed loop and their coroutines are collected unfinished, any time
   until the process exits (which the run's one error line is about to do).
   Wraps the hooks in place (once) so that only those reports are dropped;
   while `_Quiet`'s hooks are installed it wraps those they hand on to (and
-  close puts back), so that no hook ends up handing on to itself. The absl
-  log filter is left as it is."""
+  close puts back), so that no hook ends up handing on to itself; adds (once)
+  the asyncio log filter for the reads collected unfinished. The absl log
+  filter is left as it is."""
+  asyncio_log = logging.getLogger("asyncio")
+  if _not_a_leftover_read not in asyncio_log.filters:
+    asyncio_log.addFilter(_not_a_leftover_read)
   if sys.unraisablehook is _unraisablehook:
     if not getattr(_Quiet.saved[1], "quiets_orbax", False):
       _Quiet.saved = _quieted(*_Quiet.saved)

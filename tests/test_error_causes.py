@@ -18,6 +18,7 @@ import shutil
 import sys
 import threading
 import types
+import weakref
 from pathlib import Path
 
 import jax
@@ -300,7 +301,7 @@ def test_reading_weights_names_damage_and_misfit_apart(saved, tmp_path):
 # The checkpointer's hooks and log filter
 
 class _CallsLoop:
-  """Calls `loop` when collected: an error then is an unraisable exception."""
+  """Calls `loop` from Python when collected: an error then is an unraisable exception."""
 
   def __init__(self, loop):
     self.loop = loop
@@ -309,9 +310,17 @@ class _CallsLoop:
     self.loop.call_soon_threadsafe(print)
 
 
-def _unraisable(loop, in_thread: bool) -> None:
+def _unraisable(loop, *, native: bool, in_thread: bool) -> None:
+  """A call into `loop` as a collected object makes it: from native code (a
+  weak reference's callback, as tensorstore calls back) or from Python."""
   def drop():
-    _CallsLoop(loop)
+    if native:
+      target = lambda: None  # noqa: E731 (any object a weak reference can watch)
+      reference = weakref.ref(target, loop.call_soon_threadsafe)
+      del target
+      assert reference() is None
+    else:
+      _CallsLoop(loop)
     gc.collect()
   if in_thread:
     thread = threading.Thread(target=drop)
@@ -346,6 +355,45 @@ def test_quieting_a_failed_restores_leftovers_twice_hands_other_reports_on(tmp_p
   assert [str(e) for e in seen] == ["unrelated", "also unrelated"]
 
 
+def _collected_unretrieved(error: Exception) -> None:
+  """A task that raised `error` collected with it unretrieved, as orbax's other
+  reads are after one fails: asyncio logs `Task exception was never retrieved`."""
+  async def fail():
+    raise error
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(fail())
+  loop.run_until_complete(asyncio.sleep(0))
+  loop.close()
+  del task
+  gc.collect()
+
+
+def test_after_a_failed_restore_asyncio_logs_no_read_collected_unfinished(monkeypatch):
+  """orbax's other reads of a checkpoint that failed to read, collected with
+  their tensorstore errors unretrieved, reach no log handler; any other task
+  asyncio logs still does."""
+  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+  monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+  asyncio_log = logging.getLogger("asyncio")
+  monkeypatch.setattr(asyncio_log, "filters", list(asyncio_log.filters))
+  logged = []
+  handler = logging.Handler()
+  handler.emit = logged.append
+  asyncio_log.addHandler(handler)
+  try:
+    checkpoint._quiet_leftovers()
+    checkpoint._quiet_leftovers()  # a second failed restore adds nothing
+    _collected_unretrieved(ValueError(
+        'OUT_OF_RANGE: Error opening "zarr" driver: Error reading "step/.zarray" '
+        '[tensorstore_spec=\'{"driver":"zarr"}\']'))
+    _collected_unretrieved(ValueError("not a read's"))
+  finally:
+    asyncio_log.removeHandler(handler)
+  assert [str(record.exc_info[1]) for record in logged] == ["not a read's"]
+  assert "exception was never retrieved" in logged[0].getMessage()
+  assert asyncio_log.filters.count(checkpoint._not_a_leftover_read) == 1
+
+
 def test_the_checkpointer_quiets_only_its_noise_and_puts_the_hooks_back(tmp_path, monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_value))
@@ -358,9 +406,10 @@ def test_the_checkpointer_quiets_only_its_noise_and_puts_the_hooks_back(tmp_path
 
   checkpoints = Checkpoints(tmp_path / "checkpoints", config_key="test")
   try:
-    _unraisable(closed, in_thread=True)  # what tensorstore's threads meet: quiet
+    for in_thread in (True, False):  # what tensorstore's callbacks meet: quiet
+      _unraisable(closed, native=True, in_thread=in_thread)
     assert seen == []
-    _unraisable(closed, in_thread=False)  # the same error elsewhere: not the checkpointer's
+    _unraisable(closed, native=False, in_thread=True)  # a Python caller's: not the checkpointer's
     unrelated = ValueError("unrelated")
     sys.excepthook(ValueError, unrelated, None)
     assert [str(e) for e in seen] == ["Event loop is closed", "unrelated"]
