@@ -17,7 +17,16 @@ DEFAULT_WORKDIR = "runs/default"
 
 
 def get_config() -> ml_collections.ConfigDict:
+  """Every key meshtrain reads, at its default, section by section."""
   c = ml_collections.ConfigDict()
+  for add in (_run_keys, _device_keys, _model_keys, _execution_keys, _optimization_keys,
+              _io_keys):
+    add(c)
+  return c
+
+
+def _run_keys(c: ml_collections.ConfigDict) -> None:
+  """The run's size, precision and step loop."""
   c.seed = 0                    # parameter init and data order
   c.workdir = DEFAULT_WORKDIR   # checkpoints, metrics.jsonl, TensorBoard events, config.json (a configs/ file's default: runs/<file>[_<arg>])
   c.steps = 200                 # optimizer steps to run
@@ -36,6 +45,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 10              # steps between metric fetches (the only host syncs in the loop)
   c.nan_policy = "stop"         # non-finite loss/grads: stop (save last good state, exit 3) | skip (drop, count)
 
+
+def _device_keys(c: ml_collections.ConfigDict) -> None:
+  """How the devices are laid out and the processes join."""
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1              # replicas (batch); -1 fills the remaining devices
   c.mesh.fsdp = 1               # shards batch and parameters, gradients, optimizer state
@@ -53,6 +65,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.compile_timeout_s = 1800  # the same for what compiles: setting up, the first step, the first evaluation
   c.distributed.save_timeout_s = 3600     # the same for a save that waits for the disk: the last one, a preemption's (0: no limit)
 
+
+def _model_keys(c: ml_collections.ConfigDict) -> None:
+  """What the model is: what a checkpoint holds and a resume compares."""
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256      # byte-level tokenizer
   c.model.embed_dim = 128
@@ -103,6 +118,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.moe.bias_update_rate = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing step (0: off; 1e-3)
   c.model.moe.capacity_factor = 0.0   # 0: dropless; c > 0: an expert takes ceil(c x L x k / E) tokens per sequence
 
+
+def _execution_keys(c: ml_collections.ConfigDict) -> None:
+  """How the model runs on the devices (a resume may change it)."""
   c.experts = ml_collections.ConfigDict()  # how the MoE layers run (not saved as the model: a resume may change it)
   c.experts.grouped_gemm = "auto"  # a device's GEMMs: auto | tiled | ragged_dot | hopper (docs/moe.md)
   c.experts.dispatch = "padded"    # the all-to-alls: padded (whole buckets) | ragged (the rows alone; GPU/TPU)
@@ -117,6 +135,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
   c.pipeline.stage_layers = ""      # uneven stages: layers per chunk in model order, e.g. "7,8,8,7" ("": even)
 
+
+def _optimization_keys(c: ml_collections.ConfigDict) -> None:
+  """The optimizer, its outer loop and where its state lives."""
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"        # adamw | sgd | lion | adafactor (optax)
   c.optimizer.learning_rate = 3e-3  # peak, after linear warmup; cosine decay to the end
@@ -143,6 +164,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.offload.optimizer = False     # float32 master weights and optimizer state in pinned host memory between steps
   c.offload.params = False        # the layers' weights in pinned host memory; each layer's come to the device while it runs
 
+
+def _io_keys(c: ml_collections.ConfigDict) -> None:
+  """Checkpoints, data, initial weights and evaluation."""
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100   # steps between async saves into workdir/checkpoints (0: only the last step)
   c.checkpoint.keep = 3            # newest checkpoints kept (0: all)
@@ -159,7 +183,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 0        # steps between evaluations on the validation split, and at the last step (0: none)
   c.eval.batches = 4            # global batches per evaluation, the same ones every time
-  return c
 
 
 # Keys that have moved: how the model runs left `model`, which holds what a

@@ -189,7 +189,8 @@ IGNORED: dict[str, tuple[Ignored, str]] = {
                     "truncate")},
     **{key: (lambda c, sizes: not c.model.moe.num_experts,
              "model.moe.num_experts is 0, so the model has no experts; set it > 0")
-       for key in ["expert_parallel", "experts.grouped_gemm", "experts.dispatch",
+       for key in ["expert_parallel",
+                   *(f"experts.{name}" for name in meshtrain.config.get_config().experts),
                    *(f"model.moe.{name}" for name in moe.MoEConfig.__annotations__
                      if name != "num_experts")]},
     "model.mtp_loss_coef": (lambda c, sizes: not c.model.mtp_layers,

@@ -547,12 +547,24 @@ def pipeline_loss_and_grads(
   run = functools.partial(_run, schedule, layout, dict(embed_fn=embed_fn, layer_fn=layer_fn,
                                                        loss_fn=loss_fn), split_axes, manual, scale,
                           weight_specs)
+  return _over_devices(run, schedule, mesh, manual, params, microbatches,
+                       batch_spec=PartitionSpec(None, (*batch_axes, *replica) or None, length_axis),
+                       replica=replica)
+
+
+def _over_devices(run: Callable, schedule: Schedule, mesh: Mesh, manual: tuple[str, ...],
+                  params: dict[str, Any], microbatches: dict[str, jax.Array], *,
+                  batch_spec: PartitionSpec, replica: tuple[str, ...]):
+  """`run` (`_run` with the pieces bound) on each device under `shard_map`,
+  manual over `manual`: the layers cut into stages going in and put back
+  in model order coming out (per replica with a `replica` axis)."""
+  varying = tuple(a for a in manual if a != AXIS)  # the layers' copies differ along these
 
   def device(embed_p, layers_Vx1xLc, head_p, microbatches):
     if replica:  # this device's replica
       embed_p, layers_Vx1xLc, head_p = jax.tree.map(lambda x: x[0],
                                                     (embed_p, layers_Vx1xLc, head_p))
-    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), (*split_axes, *replica))
+    layers_VxLc = _varying(jax.tree.map(lambda x: x[:, 0], layers_Vx1xLc), varying)
     out = run(embed_p, layers_VxLc, head_p, microbatches)
     return jax.tree.map(lambda x: x[None], out) if replica else out
 
@@ -563,7 +575,6 @@ def pipeline_loss_and_grads(
   unstaged = from_stages
   if replica:  # the same per replica, leaf by leaf (a tree may be empty)
     staged, unstaged = _per_replica(staged), _per_replica(unstaged)
-  batch_spec = PartitionSpec(None, (*batch_axes, *replica) or None, length_axis)
   loss, grads, stats, head_stats = jax.shard_map(
       device, mesh=mesh, axis_names=set(manual),
       in_specs=(whole, by_stage, whole, batch_spec),

@@ -92,6 +92,35 @@ def _matmul_after(bwd_jaxpr: core.Jaxpr, param_index: int, in_b: set[int]) -> bo
              for e in core.dce(bwd_jaxpr, used)[0].eqns)
 
 
+def _split_backward(bwd: core.ClosedJaxpr, n_params: int) -> tuple[Callable, Callable, list]:
+  """The backward `bwd(residuals..., dy) -> [dparams..., dx]` as B
+  `(residuals..., dy) -> [dx, cut...]` and W `(residuals..., cut...) ->
+  dparams`, and the cut's variables: B keeps what dx needs; W runs the rest
+  of what dparams needs, reading the values B made (and dy) from the cut."""
+  bwd_jaxpr = bwd.jaxpr
+  *residual_vars, dy_var = bwd_jaxpr.invars
+  in_b = {id(e) for e in core.dce(bwd_jaxpr, [False] * n_params + [True])[0].eqns}
+  # A weight whose gradient needs no matmul past what dx needs (a norm's
+  # scale: a sum over the tokens) has it made in B, so that the cut holds the
+  # small gradient, not the activations it sums.
+  in_b_too = [not _matmul_after(bwd_jaxpr, i, in_b) for i in range(n_params)]
+  b_jaxpr, _ = core.dce(bwd_jaxpr, [*in_b_too, True])
+  w_all, _ = core.dce(bwd_jaxpr, [True] * n_params + [False])
+  in_b = {id(e) for e in b_jaxpr.eqns}
+  w_eqns = [e for e in w_all.eqns if id(e) not in in_b]
+  defined_by_b = {v for e in b_jaxpr.eqns for v in e.outvars} | {dy_var}
+  defined_by_w = {v for e in w_eqns for v in e.outvars}
+  needed = [v for e in w_eqns for v in e.invars] + list(w_all.outvars)
+  cut = list(dict.fromkeys(v for v in needed if isinstance(v, core.Var)
+                           and v in defined_by_b and v not in defined_by_w))
+  b_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
+      core.rebuilt(bwd_jaxpr, bwd_jaxpr.invars, [b_jaxpr.outvars[-1], *cut], b_jaxpr.eqns),
+      bwd.consts))
+  w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
+      core.rebuilt(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
+  return b_fn, w_fn, cut
+
+
 def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
               x: jax.Array, aux: Any) -> SplitVjp:
   """Splits the vjp of `f` at these (abstract or concrete) arguments.
@@ -128,29 +157,7 @@ def split_vjp(f: Callable[[Any, jax.Array, Any], jax.Array], params: Any,
   bwd = _inline(jax.make_jaxpr(
       lambda res, dy: jax.tree.leaves(jax.tree.unflatten(structure["vjp"], res)(dy)))(
           residual_avals, y_aval))
-  bwd_jaxpr = bwd.jaxpr
-  *residual_vars, dy_var = bwd_jaxpr.invars
-  # Outputs are [dparams..., dx]: B keeps what dx needs; W runs the rest of
-  # what dparams needs, reading the values B made (and dy) from the cut.
-  in_b = {id(e) for e in core.dce(bwd_jaxpr, [False] * n_params + [True])[0].eqns}
-  # A weight whose gradient needs no matmul past what dx needs (a norm's
-  # scale: a sum over the tokens) has it made in B, so that the cut holds the
-  # small gradient, not the activations it sums.
-  in_b_too = [not _matmul_after(bwd_jaxpr, i, in_b) for i in range(n_params)]
-  b_jaxpr, _ = core.dce(bwd_jaxpr, [*in_b_too, True])
-  w_all, _ = core.dce(bwd_jaxpr, [True] * n_params + [False])
-  in_b = {id(e) for e in b_jaxpr.eqns}
-  w_eqns = [e for e in w_all.eqns if id(e) not in in_b]
-  defined_by_b = {v for e in b_jaxpr.eqns for v in e.outvars} | {dy_var}
-  defined_by_w = {v for e in w_eqns for v in e.outvars}
-  needed = [v for e in w_eqns for v in e.invars] + list(w_all.outvars)
-  cut = list(dict.fromkeys(v for v in needed if isinstance(v, core.Var)
-                           and v in defined_by_b and v not in defined_by_w))
-  b_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
-      core.rebuilt(bwd_jaxpr, bwd_jaxpr.invars, [b_jaxpr.outvars[-1], *cut], b_jaxpr.eqns),
-      bwd.consts))
-  w_fn = core.jaxpr_as_fun(core.ClosedJaxpr(
-      core.rebuilt(bwd_jaxpr, [*residual_vars, *cut], w_all.outvars, w_eqns), bwd.consts))
+  b_fn, w_fn, cut = _split_backward(bwd, n_params)
   x_aval = fwd_jaxpr.invars[n_params].aval
 
   def residuals(params, aux, stash):
