@@ -53,3 +53,23 @@ def test_the_check_finds_an_import_from_above(tmp_path):
   module = tmp_path / "low.py"
   module.write_text("def f():\n  from meshtrain.planner import plan\n  import meshtrain.cli\n")
   assert imports(module) == {"planner/", "cli.py"}
+
+
+MAX_FUNCTION_LINES = 80  # docstring included: a function that needs more is two
+
+
+def long_functions(path) -> list[str]:
+  """`name (N lines)` for each function at `path` longer than MAX_FUNCTION_LINES."""
+  return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+          for node in ast.walk(ast.parse(path.read_text()))
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+          and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_80_lines(tmp_path):
+  long = {str(p.relative_to(REPO)): found for p in sorted(PACKAGE.rglob("*.py"))
+          if (found := long_functions(p))}
+  assert not long, f"split these: {long}"
+  module = tmp_path / "long.py"
+  module.write_text("def f():\n" + "  x = 1\n" * MAX_FUNCTION_LINES)
+  assert long_functions(module) == [f"f ({MAX_FUNCTION_LINES + 1} lines)"]
