@@ -25,13 +25,14 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType
 
 import meshtrain.config
-from meshtrain import distributed
+from meshtrain import distributed, rules
 from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import mla, moe, rope
 from meshtrain.parallel import attention, sequence
-from meshtrain.train import local_sgd, optimizer, parallelize, precision, setup
+from meshtrain.parallel.pipeline import schedule as schedules
+from meshtrain.train import local_sgd, mesh_checks, optimizer, parallelize, precision, setup
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
 
@@ -73,14 +74,14 @@ RULES: dict[str, Rule] = {
     "global_batch": at_least(1),
     "seq_len": within(1, 2**31 - 1),  # positions are int32
     "grad_accum_steps": at_least(1),
-    "param_dtype": one_of(setup.DTYPES),
-    "compute_dtype": one_of(setup.DTYPES),
-    "remat": one_of(setup.REMAT),
-    "zero_stage": one_of(setup.r.ZERO_STAGES),
+    "param_dtype": one_of(mesh_checks.DTYPES),
+    "compute_dtype": one_of(mesh_checks.DTYPES),
+    "remat": one_of(mesh_checks.REMAT),
+    "zero_stage": one_of(rules.ZERO_STAGES),
     "simulate_devices": within(0, MAX_SIMULATED_DEVICES),
     "peak_flops": at_least(0),
     "log_every": at_least(1),
-    "nan_policy": one_of(setup.NAN_POLICIES),
+    "nan_policy": one_of(mesh_checks.NAN_POLICIES),
     **{f"model.{name}": at_least(1) for name in (
         "vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
         "mlp_dim")},
@@ -108,8 +109,8 @@ RULES: dict[str, Rule] = {
     "model.moe.router": one_of(moe.ROUTERS),
     "model.moe.route_scale": above(0),
     "attention.sequence_strategy": one_of(sequence.STRATEGIES),
-    "attention.implementation": one_of(setup.ATTENTION),
-    "pipeline.schedule": one_of(setup.schedules.SCHEDULE_NAMES),
+    "attention.implementation": one_of(mesh_checks.ATTENTION),
+    "pipeline.schedule": one_of(schedules.SCHEDULE_NAMES),
     "pipeline.microbatches": at_least(1),
     "pipeline.virtual_stages": at_least(1),
     "optimizer.name": one_of(optimizer.OPTIMIZERS),
@@ -336,7 +337,7 @@ def check_devices(cfg, num_devices: int, platform: str | None = None) -> None:
   across = [a.strip() for a in cfg.mesh.across_hosts.split(",") if a.strip()]
   host_split(sizes, across, max(cfg.distributed.num_processes, 1))
   mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-  setup.validate(setup.padded_vocab(cfg, sizes["tensor"]), mesh)  # the run pads as it starts
+  mesh_checks.check(setup.padded_vocab(cfg, sizes["tensor"]), mesh)  # the run pads as it starts
   if sizes["sequence"] > 1:
     try:
       sequence.check_split(cfg.attention.sequence_strategy, cfg.model.num_heads, cfg.seq_len,

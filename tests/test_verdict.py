@@ -2,7 +2,6 @@
 what to try, as commands that run."""
 
 import re
-import shlex
 
 import pytest
 

@@ -44,7 +44,7 @@ from meshtrain.models import flops, mla
 from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline.split import split_vjp
 from meshtrain.planner import clusters, costs, residuals
-from meshtrain.train import local_sgd, pipelined, setup as setup_lib
+from meshtrain.train import local_sgd, mesh_checks, pipelined, setup as setup_lib
 from meshtrain.train.loss import model_loss, with_loss_weights
 from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
                                          slots, stage_layout)
@@ -663,7 +663,7 @@ def plan(cfg, num_devices: int, compile_step: bool,
   step is compiled for its GPUs (on this machine: `gpu_targets`), and every
   execution choice (attention kernel, grouped GEMM) is made for them."""
   mesh = abstract_mesh(cfg.mesh, num_devices)
-  setup_lib.validate(cfg, mesh)
+  mesh_checks.check(cfg, mesh)
   devices = gpu_targets.devices(target) if target else None
   if devices:
     mesh = make_mesh(cfg.mesh, devices)  # its devices' kernels are what the plan counts

@@ -62,7 +62,7 @@ from meshtrain.parallel import attention, experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.planner.clusters import Cluster
-from meshtrain.train import setup as setup_lib
+from meshtrain.train import mesh_checks, setup as setup_lib
 from meshtrain.train.parallelize import llama_spec, model_config, slots
 
 BATCH_AXES = ("data", "fsdp")
@@ -661,7 +661,7 @@ def meshtrain_runs(cfg, c: Candidate, cfg_c=None) -> str:
   """'' if meshtrain runs the candidate (`cfg_c`: its config, if made
   already), else why not (its validation's message)."""
   try:
-    setup_lib.validate(cfg_c or c.config(cfg), _abstract_mesh(c.sizes))
+    mesh_checks.check(cfg_c or c.config(cfg), _abstract_mesh(c.sizes))
   except ValueError as error:
     return str(error)
   return ""

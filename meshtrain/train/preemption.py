@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 
-import jax
 import numpy as np
 from jax.experimental import multihost_utils
 

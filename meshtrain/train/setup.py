@@ -1,21 +1,15 @@
 """From a config to everything a run needs: mesh, rules, model, optimizer, state layout and step."""
 
 import dataclasses
-import math
 
 import jax
 import optax
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.data import PACKING, packing as data_packing
-from meshtrain.errors import ConfigError
+from meshtrain.data import packing as data_packing
 from meshtrain.mesh import make_mesh
-from meshtrain.models import moe as moe_lib
-from meshtrain.parallel import experts, hopper_gemm, sequence
-from meshtrain.parallel.pipeline import schedule as schedules
-from meshtrain.parallel.pipeline.stages import StageLayout
-from meshtrain.train import local_sgd, parallelize, precision
+from meshtrain.train import local_sgd, mesh_checks, parallelize, precision
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import model_loss
@@ -24,10 +18,6 @@ from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state,
                                    state_shardings, with_memory_kind)
 from meshtrain.train.step import LossFn, TrainStep
 
-DTYPES = ("float32", "bfloat16", "float16")
-REMAT = ("none", "full", "selective", "offload")
-NAN_POLICIES = ("stop", "skip")
-ATTENTION = ("", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +40,6 @@ class Setup:
   def abstract_state(self) -> TrainState:
     """Shapes and dtypes of the state, for restoring into."""
     return jax.eval_shape(self.init_state)
-
-
-def _check_choice(key: str, value, choices) -> None:
-  if value not in choices:
-    raise ConfigError(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
 
 
 def padded_vocab(cfg, tensor: int):
@@ -80,211 +65,6 @@ def with_packing(cfg):
   return cfg
 
 
-def validate(cfg, mesh: Mesh) -> None:
-  """Checks the config against the mesh before anything is compiled."""
-  _check_choice("config.param_dtype", cfg.param_dtype, DTYPES)
-  _check_choice("config.compute_dtype", cfg.compute_dtype, DTYPES)
-  _check_choice("config.grad_dtype", cfg.grad_dtype, DTYPES)
-  _check_choice("config.remat", cfg.remat, REMAT)
-  _check_choice("config.zero_stage", cfg.zero_stage, r.ZERO_STAGES)
-  _check_choice("config.nan_policy", cfg.nan_policy, NAN_POLICIES)
-  _check_choice("config.attention.sequence_strategy", cfg.attention.sequence_strategy,
-                sequence.STRATEGIES)
-  _check_choice("config.attention.implementation", cfg.attention.implementation, ATTENTION)
-  _check_choice("config.data.packing", cfg.data.packing, PACKING)
-  if cfg.data.packing == "segments" and cfg.attention.implementation == "cudnn":
-    raise ConfigError("config.attention.implementation",
-                      "cudnn cannot keep packed documents apart (jax 0.10 gives it no segment "
-                      "ids); use 'xla' or '' with config.data.packing='segments'")
-  m = cfg.model
-  if m.num_heads % m.num_kv_heads:
-    raise ConfigError("config.model.num_kv_heads",
-                      f"{m.num_kv_heads} does not divide num_heads={m.num_heads}")
-  if m.head_dim % 2 and not m.mla.kv_lora_rank:
-    raise ConfigError("config.model.head_dim", f"rotary positions need an even head_dim, got {m.head_dim}")
-  replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-  if mesh.shape["pipeline"] > 1:
-    validate_pipeline(cfg, mesh, replicas)
-  if cfg.global_batch % replicas:
-    raise ConfigError(
-        "config.global_batch",
-        f"{cfg.global_batch} sequences do not split over data x fsdp = {replicas} devices; "
-        f"use a multiple of {replicas}")
-  if cfg.grad_accum_steps < 1 or (cfg.global_batch // replicas) % cfg.grad_accum_steps:
-    raise ConfigError(
-        "config.grad_accum_steps",
-        f"{cfg.grad_accum_steps} must divide the {cfg.global_batch // replicas} sequences "
-        f"each of the data x fsdp = {replicas} replicas gets")
-  weight_shards = mesh.shape["fsdp"] * (mesh.shape["data"] if cfg.zero_stage else 1)
-  for names, size, axes in (
-      (("num_heads", "mlp_dim", "vocab_size"), mesh.shape["tensor"],
-       "config.mesh.tensor"),
-      (("embed_dim",), weight_shards,
-       "config.mesh.fsdp" + (" x config.mesh.data (zero_stage > 0)" if cfg.zero_stage else ""))):
-    for name in names:
-      if m[name] % size:
-        raise ConfigError(f"config.model.{name}", f"{m[name]} is not divisible by {axes} = {size}")
-  length_shards = mesh.shape["sequence"] * (mesh.shape["tensor"] if cfg.tensor_sequence_parallel else 1)
-  if cfg.seq_len % length_shards:
-    raise ConfigError(
-        "config.seq_len", f"{cfg.seq_len} is not divisible by config.mesh.sequence" +
-        (" x config.mesh.tensor (tensor_sequence_parallel)" if cfg.tensor_sequence_parallel else "") +
-        f" = {length_shards}")
-  if m.sliding_window and mesh.shape["sequence"] > 1 and cfg.attention.sequence_strategy == "ring":
-    raise ConfigError("config.attention.sequence_strategy", "the ring has no sliding window "
-                      f"(config.model.sliding_window={m.sliding_window}); use all_gather_kv or "
-                      "ulysses")
-  if m.mla.kv_lora_rank:
-    validate_mla(cfg, weight_shards)
-  if m.moe.num_experts:
-    validate_moe(cfg, mesh)
-
-
-def validate_mla(cfg, weight_shards: int) -> None:
-  """Multi-head Latent Attention against the rest of the model and the mesh
-  (its latents split over fsdp, and data under ZeRO, where a weight has no
-  `embed` dimension)."""
-  m, key = cfg.model, "config.model.mla"
-  if m.num_kv_heads != m.num_heads:
-    raise ConfigError("config.model.num_kv_heads", f"{m.num_kv_heads}, but Multi-head Latent "
-                      f"Attention has a key and value head per query head; set it to "
-                      f"model.num_heads = {m.num_heads}")
-  if m.mla.rope_head_dim % 2:
-    raise ConfigError(f"{key}.rope_head_dim", f"rotary positions need an even width, got "
-                      f"{m.mla.rope_head_dim}")
-  for name in ("qkv_bias", "qk_norm"):
-    if m[name]:
-      raise ConfigError(f"config.model.{name}", "is not an option of Multi-head Latent Attention "
-                        "(it normalises its latents instead); set it to False")
-  for name in ("kv_lora_rank", "q_lora_rank"):
-    if m.mla[name] % weight_shards:
-      raise ConfigError(f"{key}.{name}", f"{m.mla[name]} is not divisible by config.mesh.fsdp" +
-                        (" x config.mesh.data (zero_stage > 0)" if cfg.zero_stage else "") +
-                        f" = {weight_shards}, which split the latents")
-
-
-def validate_moe(cfg, mesh: Mesh) -> None:
-  """The Mixture-of-Experts settings against the model and the mesh."""
-  moe, key = cfg.model.moe, "config.model.moe"
-  _check_choice(f"{key}.router", moe.router, moe_lib.ROUTERS)
-  _check_choice("config.experts.grouped_gemm", cfg.experts.grouped_gemm, experts.CHOICES)
-  _check_choice("config.experts.dispatch", cfg.experts.dispatch, experts.DISPATCHES)
-  if not 1 <= moe.experts_per_token <= moe.num_experts:
-    raise ConfigError(f"{key}.experts_per_token", f"{moe.experts_per_token} must be between 1 "
-                      f"and model.moe.num_experts = {moe.num_experts}")
-  if moe.num_experts % moe.expert_groups:
-    raise ConfigError(f"{key}.expert_groups", f"{moe.num_experts} experts do not make "
-                      f"{moe.expert_groups} equal groups; use a divisor of model.moe.num_experts")
-  group = moe.num_experts // moe.expert_groups
-  fewest = -(-moe.experts_per_token // group)  # groups that hold k experts
-  if moe.groups_per_token and not fewest <= moe.groups_per_token <= moe.expert_groups:
-    raise ConfigError(f"{key}.groups_per_token", f"{moe.groups_per_token} must be between "
-                      f"{fewest} (groups of {group} experts holding model.moe.experts_per_token = "
-                      f"{moe.experts_per_token}) and model.moe.expert_groups = "
-                      f"{moe.expert_groups}, or 0 for every group")
-  if moe.first_dense_layers >= cfg.model.num_layers:
-    raise ConfigError(f"{key}.first_dense_layers", f"{moe.first_dense_layers} leaves no MoE layer "
-                      f"of the {cfg.model.num_layers}; use fewer or set model.moe.num_experts=0")
-  axes = parallelize.expert_axes(cfg)
-  bad = [a for a in axes if a not in experts.EXPERT_AXES] or [a for a in axes if axes.count(a) > 1]
-  if bad:
-    raise ConfigError("config.expert_parallel", f"{bad[0]!r}: name each of "
-                      f"{', '.join(experts.EXPERT_AXES)} (the axes that split the tokens) at most "
-                      "once, comma-separated, or \"\" to keep every expert on every device")
-  split = math.prod(mesh.shape[a] for a in axes)
-  if moe.num_experts % split:
-    raise ConfigError(f"{key}.num_experts", f"{moe.num_experts} experts do not split over "
-                      f"config.expert_parallel {cfg.expert_parallel!r} = {split} devices; use a "
-                      f"multiple of {split} or other axes")
-  hidden = moe.mlp_dim or cfg.model.mlp_dim
-  if hidden % mesh.shape["tensor"]:
-    raise ConfigError(f"{key}.mlp_dim", f"each expert's hidden width {hidden} is not divisible "
-                      f"by config.mesh.tensor = {mesh.shape['tensor']}")
-  if moe.shared_mlp_dim % mesh.shape["tensor"]:
-    raise ConfigError(f"{key}.shared_mlp_dim", f"the shared MLP's hidden width "
-                      f"{moe.shared_mlp_dim} is not divisible by config.mesh.tensor = "
-                      f"{mesh.shape['tensor']}")
-  held = [a for a in axes if a in experts.PIPELINE_HELD_AXES and mesh.shape[a] > 1]
-  if mesh.shape["pipeline"] > 1 and held:
-    raise ConfigError("config.expert_parallel", f"{held[0]!r}: the pipeline holds "
-                      f"{' and '.join(experts.PIPELINE_HELD_AXES)} itself, each stage's layers "
-                      "whole over them; inside a pipeline split the experts over fsdp (or \"\")")
-  if cfg.local_sgd.inner_steps and ("data" in axes or moe.bias_update_rate):
-    raise ConfigError("config.local_sgd.inner_steps", "local SGD trains each `data` replica "
-                      "alone: its experts cannot be split over `data` and its biases would "
-                      "drift apart; take `data` out of config.expert_parallel and set "
-                      "config.model.moe.bias_update_rate=0")
-
-
-def validate_machine(cfg, mesh: Mesh) -> None:
-  """What this machine's devices must run (`validate` leaves it out, so that
-  `meshtrain plan` plans any config anywhere): the experts' GPU-only paths."""
-  run, device = cfg.experts, mesh.devices.flat[0]
-  if not cfg.model.moe.num_experts:
-    return
-  why = run.grouped_gemm == "hopper" and hopper_gemm.unsupported(
-      device, cfg.compute_dtype, parallelize.expert_widths(cfg))
-  if why:
-    raise ConfigError("config.experts.grouped_gemm", f"hopper: {why}; use auto or tiled")
-  split = math.prod(mesh.shape[a] for a in parallelize.expert_axes(cfg))
-  why = run.dispatch == "ragged" and split > 1 and experts.ragged_unsupported(device)
-  if why:
-    raise ConfigError("config.experts.dispatch", f"ragged: {why}; use padded")
-
-
-def validate_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
-  p, m, v = mesh.shape["pipeline"], cfg.pipeline.microbatches, cfg.pipeline.virtual_stages
-  _check_choice("config.pipeline.schedule", cfg.pipeline.schedule, schedules.SCHEDULE_NAMES)
-  moe = cfg.model.moe
-  dense = moe.first_dense_layers if moe.num_experts else 0  # these run on stage 0, before the rest
-  stacked = cfg.model.num_layers - dense
-  if not cfg.pipeline.stage_layers.strip() and stacked % (p * v):
-    uneven = StageLayout.balanced(stacked, p, v).counts
-    raise ConfigError("config.model.num_layers",
-                      f"{stacked} layers" + (f" (after the {dense} leading dense ones)" if dense
-                                             else "")
-                      + f" do not split evenly into config.mesh.pipeline={p} stages x "
-                      f"config.pipeline.virtual_stages={v} chunks"
-                      + (f"; split them unevenly with config.pipeline.stage_layers, e.g. "
-                         f"\"{','.join(map(str, uneven))}\"" if min(uneven) else ""))
-  try:
-    parallelize.stage_layout(cfg)
-  except ValueError as error:
-    raise ConfigError("config.pipeline.stage_layers", str(error)) from None
-  rows = cfg.global_batch // replicas
-  if rows % (m * cfg.grad_accum_steps):
-    raise ConfigError("config.pipeline.microbatches",
-                      f"{m} microbatches x config.grad_accum_steps={cfg.grad_accum_steps} must "
-                      f"divide the {rows} sequences each of the data x fsdp = {replicas} "
-                      f"replicas gets")
-  if mesh.shape["sequence"] > 1 and cfg.attention.sequence_strategy == "ring":
-    # A collective-permute involves every device its pairs name, every stage,
-    # but in a tick only the busy stages run the ring's (docs/pipeline.md).
-    raise ConfigError("config.attention.sequence_strategy",
-                      "ring attention cannot run inside the pipeline (its sends would need every "
-                      "stage at once); use all_gather_kv (Llama 3's context parallelism) or "
-                      "ulysses, or set config.mesh.sequence=1")
-  if cfg.offload.params:
-    raise ConfigError("config.offload.params", "the pipeline stages the layers' weights itself; "
-                      "set it to False (config.offload.optimizer composes)")
-  if cfg.remat == "offload":
-    raise ConfigError("config.remat", "the pipeline keeps each microbatch's residuals in its own "
-                      "device buffers, not on the host; use selective or full")
-  if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
-    raise ConfigError("config.pipeline.virtual_stages",
-                      f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "
-                      f"or config.pipeline.schedule=interleaved_1f1b")
-  if cfg.pipeline.schedule == "interleaved_1f1b" and v > 1 and m % p:
-    raise ConfigError("config.pipeline.microbatches",
-                      f"interleaved_1f1b needs config.pipeline.microbatches to be a multiple of "
-                      f"config.mesh.pipeline={p} (a group of {p} fills the ring), got {m}: use "
-                      f"{p * max(1, round(m / p))} or config.pipeline.virtual_stages=1")
-  try:
-    schedules.check(cfg.pipeline.schedule, p, m, v)
-  except ValueError as error:
-    raise ConfigError("config.pipeline.microbatches", str(error)) from None
-
-
 def sharding_rules(cfg, mesh) -> r.ShardingRules:
   return r.strategy_rules(mesh, cfg.zero_stage, tensor_sequence_parallel=cfg.tensor_sequence_parallel,
                           split_kv_heads=cfg.model.num_kv_heads % mesh.shape["tensor"] == 0,
@@ -294,8 +74,8 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
 def build(cfg, devices=None) -> Setup:
   cfg = with_packing(cfg)
   mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
-  validate(cfg, mesh)
-  validate_machine(cfg, mesh)
+  mesh_checks.check(cfg, mesh)
+  mesh_checks.check_machine(cfg, mesh)
   local_sgd.validate(cfg)
   precision.validate(cfg)
   rules = sharding_rules(cfg, mesh)
