@@ -16,9 +16,10 @@ import pytest
 import tokenizers as hf_tokenizers
 
 from conftest import REPO, micro_config, micro_flags
-from meshtrain import cli, validate
+from meshtrain import cli, generate as generation, launch as launcher, validate
 from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator, tokenizer as tokenizers
+from meshtrain.errors import ConfigError
 from meshtrain.train.setup import build
 
 PIPELINE = ["--config.mesh.data=4", "--config.mesh.pipeline=2"]
@@ -479,7 +480,7 @@ def test_import_checks_the_config_and_loads_its_tokenizer_once(launched, tmp_pat
     monkeypatch.setattr(module, name, wrapper)
   counted(validate, "check_config")
   counted(tokenizers, "load")
-  monkeypatch.setattr(cli.launch, "launch", lambda *args, **kwargs: 0)  # starts no process
+  monkeypatch.setattr(launcher, "launch", lambda *args, **kwargs: 0)  # starts no process
   args = ["import-hf", "--from=hf_garbled", "--to=imported", "--config.tokenizer=bytes"]
   args = ["launch", "--", *args] if launched else args
   code, stderr = meshtrain(args[0], args[1:], capfd)
@@ -500,7 +501,7 @@ def test_saved_run_commands_read_the_config_tokenizer_once(command, trained_run,
       {"<|endoftext|>": 0, "a": 1}, unk_token="<|endoftext|>"))
   words.pre_tokenizer = hf_tokenizers.pre_tokenizers.Whitespace()
   words.save("tokenizer.json")
-  monkeypatch.setattr(cli.generate, "from_workdir", lambda *args, **kwargs: (
+  monkeypatch.setattr(generation, "from_workdir", lambda *args, **kwargs: (
       lambda prompts, *sampling: [[1] for _ in prompts]))
   tokenizers._load.cache_clear()
   own = {"generate": ["--prompt=a"], "export-hf": ["--to=exported"]}[command]
@@ -521,5 +522,5 @@ def test_a_tokenizer_is_read_once_whichever_key_names_it_and_its_errors_name_tha
   assert tokenizers.load(str(tmp_path / "tokenizer.json"), key="--tokenizer") is first
   assert tokenizers._load.cache_info().misses == 1
   for key in ("config.tokenizer", "--tokenizer"):
-    with pytest.raises(cli.ConfigError, match=f"^{key}: .*broken.json is not a Hugging Face"):
+    with pytest.raises(ConfigError, match=f"^{key}: .*broken.json is not a Hugging Face"):
       tokenizers.load(str(broken), key=key)

@@ -1,55 +1,58 @@
-"""`cli.FLAGS_READ`, the flags each command reads, against what its code reads:
-the flag holders (`cli.OWN_FLAGS`) that the command's function names, or the
-functions of cli.py it calls, transitively."""
+"""Each command's module defines its flags in a `FlagValues` of its own and
+reads every one of them: no flag a command accepts does nothing, and a flag
+of another command is unknown to it."""
 
 import ast
+import collections
+import sys
 from pathlib import Path
 
 import pytest
 
 from meshtrain import cli
 
-MODULE = ast.parse(Path(cli.__file__).read_text())
-FUNCTIONS = {node.name: node for node in MODULE.body if isinstance(node, ast.FunctionDef)}
-FLAG_NAMES = {holder: getattr(cli, holder).name for holder in cli.OWN_FLAGS}
-# launch checks the launched command's flags, read as that command reads them: apart.
-ON_BEHALF = "_check_launched"
+# What a module-level holder of a command's flags is assigned from.
+DEFINERS = ("flags.DEFINE_", "flag_parsing.define_config", "common.SavedRun.define")
 
 
-def _is_config_flag(node: ast.AST) -> bool:
-  """`flags.FLAGS["config"]`: the --config flag itself, for its overrides alone."""
-  return (isinstance(node, ast.Subscript) and ast.unparse(node.value) == "flags.FLAGS"
-          and isinstance(node.slice, ast.Constant) and node.slice.value == "config")
+def holders(tree: ast.Module) -> set[str]:
+  """The module-level names assigned a flag holder (or a group of them)."""
+  return {target.id for node in tree.body if isinstance(node, ast.Assign)
+          and isinstance(node.value, ast.Call)
+          and ast.unparse(node.value.func).startswith(DEFINERS)
+          for target in node.targets if isinstance(target, ast.Name)}
 
 
-def flags_read(function: str, skip: str | None = ON_BEHALF) -> set[str]:
-  """FLAGS_READ's names of what `function` of cli.py reads and what the
-  functions of cli.py it calls read (but `skip`'s): a holder's flag name;
-  "config" and "config." for `_CONFIG` (the file with its --config.KEY
-  overrides); "config." for `flags.FLAGS["config"]` (the overrides, which a
-  saved run's config takes)."""
-  read, seen, todo = set(), set(), [function]
-  while todo:
-    name = todo.pop()
-    if name in seen or name == skip:
-      continue
-    seen.add(name)
-    for node in ast.walk(FUNCTIONS[name]):
-      if isinstance(node, ast.Name) and node.id in FLAG_NAMES:
-        read |= {"config", "config."} if node.id == "_CONFIG" else {FLAG_NAMES[node.id]}
-      elif _is_config_flag(node):
-        read.add("config.")
-      elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in FUNCTIONS):
-        todo.append(node.func.id)
-  return read
+def unread(path: Path) -> set[str]:
+  """The holders of the module at `path` that nothing in it reads."""
+  tree = ast.parse(path.read_text())
+  reads = collections.Counter(node.id for node in ast.walk(tree)
+                              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load))
+  return {name for name in holders(tree) if not reads[name]}
 
 
-@pytest.mark.parametrize("command", cli.FLAGS_READ, ids=lambda command: command.__name__)
-def test_flags_read_lists_the_flags_each_command_reads(command):
-  assert flags_read(command.__name__) == set(cli.FLAGS_READ[command])
+@pytest.mark.parametrize("name", cli.COMMANDS)
+def test_each_command_reads_every_flag_it_defines(name):
+  command = cli.COMMANDS[name]
+  module = sys.modules[command.main.__module__]
+  assert holders(ast.parse(Path(module.__file__).read_text())), name
+  assert not unread(Path(module.__file__)), name
+  # every flag it accepts is one its module defines
+  own = {holder.name for holder in vars(module).values() if hasattr(holder, "present")}
+  own |= {"config"} if command.config else set()
+  own |= {"workdir", "step"} if hasattr(module, "RUN") else set()
+  accepted = {flag for flag in command.flag_values if not flag.startswith("config.")}
+  assert accepted == own, name
 
 
-def test_launch_reads_of_the_launched_command_only_its_flags():
-  launched = set().union(*(cli.FLAGS_READ[cli.COMMANDS[name]] for name in cli.LAUNCHED))
-  assert flags_read(ON_BEHALF, skip=None) <= launched
+def test_the_commands_share_no_flags_object():
+  assert len({id(c.flag_values) for c in cli.COMMANDS.values()}) == len(cli.COMMANDS)
+
+
+def test_the_check_finds_a_flag_nothing_reads(tmp_path):
+  module = tmp_path / "command.py"
+  module.write_text("FLAGS = flags.FlagValues()\n"
+                    "_READ = flags.DEFINE_bool('read', False, '', flag_values=FLAGS)\n"
+                    "_IDLE = flags.DEFINE_bool('idle', False, '', flag_values=FLAGS)\n"
+                    "def main(argv):\n  return _READ.value\n")
+  assert unread(module) == {"_IDLE"}

@@ -8,10 +8,10 @@ import re
 import matplotlib.image
 import numpy as np
 import pytest
-from absl import flags
 
 from conftest import REPO
-from meshtrain import cli, config as meshtrain_config, flag_parsing
+from meshtrain import cli, config as meshtrain_config
+from meshtrain.cli import common
 
 
 def meshtrain(args, capsys) -> tuple[int, str, str]:
@@ -31,13 +31,37 @@ def test_the_commands_are_listed_one_line_each(args, capsys):
   assert len(out.splitlines()) < 25
 
 
-@pytest.mark.parametrize("command", [c for c in cli.COMMANDS if c != "launch"])
+# The flags each command takes: "config" the --config file, "config.KEY" its
+# overrides (those of a saved run's config for the commands that read one).
+FLAGS = {
+    "train": ("config", "config.KEY"),
+    "plan": ("config", "config.KEY", "json", "compile", "devices", "target", "search", "cluster",
+             "top", "global_batch", "seq_len", "mesh"),
+    "schedule": ("stages", "microbatches", "schedule", "virtual", "costs", "out", "json"),
+    "launch": ("num_processes", "devices_per_process", "max_restarts"),
+    "prepare": ("input", "format", "tokenizer", "text_field", "split_blank_lines",
+                "val_fraction", "out"),
+    "eval": ("config.KEY", "workdir", "step"),
+    "import-hf": ("config", "config.KEY", "from", "to"),
+    "export-hf": ("config.KEY", "workdir", "step", "to", "dtype", "max_shard_mb"),
+    "generate": ("config.KEY", "workdir", "step", "prompt", "prompts", "max_tokens",
+                 "temperature", "top_k", "top_p", "seed", "json"),
+    "verify": ("config", "config.KEY", "verify_steps"),
+    "plot": ("workdir", "out"),
+    "config": ("config", "config.KEY"),
+}
+
+
+def test_every_command_is_in_the_table_of_flags():
+  assert set(FLAGS) == set(cli.COMMANDS)
+
+
+@pytest.mark.parametrize("command", FLAGS)
 def test_each_command_lists_its_own_flags_and_no_others(command, capsys):
   code, out, err = meshtrain([command, "--help"], capsys)
   assert code == 0 and not err
-  shown = set(re.findall(r"^  (--[\w.]+)", out, re.M))
-  read = {f"--{name}" for name in cli.FLAGS_READ[cli.COMMANDS[command]]}
-  assert shown == {"--config.KEY" if f == "--config." else f for f in read}, out
+  shown = re.findall(r"^  (--[\w.]+)", out, re.M)
+  assert shown == [f"--{name}" for name in FLAGS[command]], out
   assert "only_check_args" not in out and "grain" not in out  # absl's and libraries' flags
 
 
@@ -74,9 +98,8 @@ def test_config_lists_every_key_with_its_value_and_the_comment_of_config_py(caps
 ])
 def test_each_preset_writes_to_its_own_workdir(given, workdir, monkeypatch):
   monkeypatch.chdir(REPO)
-  argv = flag_parsing.with_config(["train", *given], meshtrain_config.__file__)
-  cli._parse_flags(["meshtrain train", *argv[1:]])
-  assert flags.FLAGS["config"].value.workdir == workdir
+  common.parse(cli.train.COMMAND, ["train", *given])
+  assert cli.train.CONFIG.value.workdir == workdir
 
 
 def test_plot_draws_the_loss_eval_loss_and_learning_rate(tmp_path, capsys):

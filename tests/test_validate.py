@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import meshtrain.config
 from conftest import micro_flags
-from meshtrain import cli, flag_parsing, validate
+from meshtrain import cli, validate
+from meshtrain.cli import common
 from meshtrain.errors import ConfigError
 from meshtrain.train.resume import resume_changes
 from meshtrain.train.setup import build
@@ -41,9 +42,8 @@ def checked(mutations) -> tuple[object | None, str]:
   stderr = io.StringIO()
   with contextlib.redirect_stderr(stderr):
     try:
-      argv = flag_parsing.with_config(["train", *args], meshtrain.config.__file__)
-      cli._parse_flags(["meshtrain train", *argv[1:]])
-      cfg = cli.checked_config()
+      common.parse(cli.train.COMMAND, ["train", *args])
+      cfg = common.checked_config(cli.train.CONFIG)
       validate.check_devices(cfg, jax.device_count(), jax.devices()[0].platform)
       return cfg, ""
     except SystemExit as exit_info:

@@ -2,7 +2,7 @@
 
 The text comes from what the program already holds: each command's summary
 from `SUMMARIES`, its flags (absl's help strings and defaults) from the flags
-the command reads, and the config keys with the one comment per field that
+its module defines, and the config keys with the one comment per field that
 `meshtrain/config.py` carries beside each assignment.
 """
 
@@ -44,23 +44,23 @@ def commands_text() -> str:
   return "\n".join(lines)
 
 
-def command_text(command: str, read: tuple[str, ...]) -> str:
-  """`command`'s flags: those of `read` (names, "config." for the overrides),
-  each with absl's help string and default."""
+def command_text(command: str, flag_values: flags.FlagValues, reads_file: bool | None) -> str:
+  """`command`'s flags, those `flag_values` defines, each with absl's help
+  string and default. `reads_file`: whether it reads a `--config` file (None:
+  it has no --config; False: only the overrides, of a saved run's config)."""
   lines = [f"usage: meshtrain {command} [--flags]", f"  {SUMMARIES[command]}", ""]
-  for name in read:
-    if name == "config":
-      lines += _flag_lines("--config FILE[:ARG]", "a config file with get_config(); "
-                           "configs/NAME.py:MODEL passes MODEL to a strategy preset",
-                           "meshtrain/config.py")
-    elif name == "config.":
-      lines += _flag_lines("--config.KEY=VALUE", "set any config key, e.g. "
-                           "--config.steps=300 --config.mesh.fsdp=8; `meshtrain config` lists "
-                           "them with their defaults", None)
-    else:
-      flag = flags.FLAGS[name]
-      default = flag.default_as_str or None
-      lines += _flag_lines(f"--{name}", flag.help, default)
+  if reads_file:
+    lines += _flag_lines("--config FILE[:ARG]", "a config file with get_config(); "
+                         "configs/NAME.py:MODEL passes MODEL to a strategy preset",
+                         "meshtrain/config.py")
+  if reads_file is not None:
+    lines += _flag_lines("--config.KEY=VALUE", "set any config key, e.g. "
+                         "--config.steps=300 --config.mesh.fsdp=8; `meshtrain config` lists "
+                         "them with their defaults", None)
+  for name in flag_values:
+    if name != "config" and not name.startswith("config."):
+      flag = flag_values[name]
+      lines += _flag_lines(f"--{name}", flag.help, flag.default_as_str or None)
   return "\n".join(lines)
 
 
