@@ -1,11 +1,12 @@
 """Flag parsing (absl + ml_collections) in which every bad flag is one ConfigError.
 
 Each command holds its flags in a `FlagValues` of its own, so that a flag of
-another command is absl's unknown flag. ml_collections reads the `--config.KEY=VALUE` overrides from an argv list of its
-own, loads the config file while the flags are parsed, and on a mistake raises
-one of many exception kinds (a KeyError with "did you mean" for a typo, an
-OSError for a missing file, a SyntaxError from the file itself); `parse` turns
-each into the key and the fix.
+another command is absl's unknown flag. ml_collections reads the
+`--config.KEY=VALUE` overrides from an argv list of its own, loads the config
+file while the flags are parsed, and on a mistake raises one of many exception
+kinds (a KeyError with "did you mean" for a typo, an OSError for a missing
+file, a SyntaxError from the file itself); `parse` turns each into the key and
+the fix.
 """
 
 import dataclasses
