@@ -24,9 +24,10 @@ from reference import random_batches
 from test_moe import (MOE, MESHES, STEPS, TENSOR_DISPATCH, mesh_of,
                       assert_split_experts_equal_the_plain_loop,
                       assert_tensor_shares_equal_one_device)
+from meshtrain.errors import ConfigError
 from meshtrain.parallel import experts
 from meshtrain.planner.plan import format_plan, plan
-from meshtrain.train.setup import ConfigError, build
+from meshtrain.train.setup import build
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
