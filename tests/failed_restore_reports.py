@@ -10,7 +10,6 @@ because the leftovers of a failed restore earlier in the same process arrive
 whenever they finish, under whichever hooks are in place by then.
 """
 
-import asyncio
 import gc
 import json
 import logging
@@ -18,6 +17,7 @@ import sys
 import types
 
 from test_checkpoint import run_config
+from test_error_causes import _collected_unretrieved
 
 from meshtrain.errors import ConfigError
 from meshtrain.train.loop import train
@@ -27,16 +27,6 @@ def _unraisable(obj, error: Exception) -> None:
   sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error,
                                            exc_traceback=error.__traceback__, err_msg=None,
                                            object=obj))
-
-
-def _collected_unretrieved(error: Exception) -> None:
-  async def fail():
-    raise error
-  loop = asyncio.new_event_loop()
-  task = loop.create_task(fail())
-  loop.run_until_complete(asyncio.sleep(0))
-  loop.close()
-  del task
 
 
 def main(workdir: str) -> None:
