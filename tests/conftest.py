@@ -17,8 +17,10 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           # LLVM at -O0: compiles 2-3x faster; tests time no kernels
-                           " --xla_backend_optimization_level=0").strip()
+                           # LLVM at -O0 and XLA:CPU's older (non-MLIR) fusion emitters:
+                           # each halves compile times; tests time no kernels
+                           " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one cache per run, removed after it
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
@@ -45,6 +47,11 @@ def eight_devices():
 def real_text(tmp_path_factory) -> Path:
   """About 1.1 MB of real English text (`corpus`), on any machine."""
   return corpus.real_text(tmp_path_factory.mktemp("text"))
+
+
+# For a test that reads the buffers of a compiled CPU program (its copies,
+# its temporaries): XLA:CPU's default fusion emitters, as users compile it.
+USERS_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": True}
 
 
 # A model small enough to compile and run in about a second on 2 cores.

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 import op_trace
-from conftest import micro_config, step_collectives, tiered
+from conftest import USERS_CPU_COMPILE, micro_config, step_collectives, tiered
 from meshtrain.analysis import hlo
 from meshtrain.planner.plan import (abstract_mesh, activation_bytes, analytic, compile_step,
                                      split_bytes, stage_layers)
@@ -185,7 +185,7 @@ def test_grad_dtype_halves_the_accumulator_in_plan_and_compiled_step():
                           "model.embed_dim": 64, "model.mlp_dim": 256})
     setup = build(cfg)
     plans[dtype] = analytic(cfg, setup.spec, setup.rules, setup.mesh)["memory_bytes"]["grads"]
-    temps[dtype] = hlo.memory_bytes(compile_step(setup))["temp"]
+    temps[dtype] = hlo.memory_bytes(compile_step(setup, USERS_CPU_COMPILE))["temp"]
   assert plans["bfloat16"] * 2 == plans["float32"]
   assert temps["float32"] - temps["bfloat16"] == pytest.approx(
       plans["float32"] - plans["bfloat16"], rel=0.10)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import micro_config, tiered
+from conftest import USERS_CPU_COMPILE, micro_config, tiered
 from equivalence import assert_matches_one_device
 from reference import random_batches
 from meshtrain.planner.plan import compile_step
@@ -83,7 +83,7 @@ def test_the_donated_state_is_updated_where_it_lies(changes):
   moment, every step); scalar counters aside."""
   cfg = micro_config()
   cfg.update(changes)
-  text = compile_step(build(cfg)).as_text()
+  text = compile_step(build(cfg), USERS_CPU_COMPILE).as_text()
   entry = text[text.index("\nENTRY"):]
   copied = re.findall(r"= (\w+\[[\d,]*\])\S* copy\(%param", entry)
   assert all(shape.endswith("[]") for shape in copied), copied

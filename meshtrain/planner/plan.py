@@ -596,8 +596,9 @@ def trainer_plan(trainer, batch: dict) -> dict:
   return {"memory_bytes": memory, "residuals": [dataclasses.asdict(x) for x in saved]}
 
 
-def compile_step(setup) -> jax.stages.Compiled:
-  """The real train step compiled for setup.mesh, from shapes alone (nothing allocated)."""
+def compile_step(setup, compiler_options: dict | None = None) -> jax.stages.Compiled:
+  """The real train step compiled for setup.mesh, from shapes alone (nothing
+  allocated); `compiler_options`: XLA's options for this compile, over XLA_FLAGS'."""
   cfg = setup.cfg
   abstract_state = jax.tree.map(
       lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
@@ -605,7 +606,7 @@ def compile_step(setup) -> jax.stages.Compiled:
   batch = {key: jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), np.int32,
                                      sharding=setup.train_step.batch_sharding)
            for key in ("inputs", "targets")}
-  return setup.train_step.lower(abstract_state, batch).compile()
+  return setup.train_step.lower(abstract_state, batch).compile(compiler_options)
 
 
 def measured(setup) -> dict:
