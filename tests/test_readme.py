@@ -4,7 +4,7 @@ holds (configs/ and the installed .venv; the set-up, GPU and Slurm commands
 are ```sh blocks, shown and not run). `input.txt`, which the README downloads
 with curl, is written here from real English text (`corpus`). Each block must
 exit 0, on one simulated CPU device as a user's machine has, unless it asks
-for more, and leave what its last command writes."""
+for more, and leave the file its block is run for (`LEAVES`)."""
 
 import os
 import re
