@@ -93,6 +93,13 @@ def strategy_rules(mesh: Mesh, zero_stage: int = 0, *, tensor_sequence_parallel:
   shards over `data` the optimizer state (1), then the gradients (2), then the
   working weights (3) — each stage one more table gets ZERO_ON_DATA.
   `expert_axes` split the routed experts (expert parallelism; `fsdp` by default)."""
+  return _strategy_rules(mesh, zero_stage, tensor_sequence_parallel, split_kv_heads,
+                         tuple(expert_axes))
+
+
+@functools.lru_cache(maxsize=4096)  # a planner's search asks for the same few tables
+def _strategy_rules(mesh: Mesh, zero_stage: int, tensor_sequence_parallel: bool,
+                    split_kv_heads: bool, expert_axes: tuple[str, ...]) -> ShardingRules:
   tables = [{k: v for k, v in AXIS_RULES[axis].items() if k != EXPERTS}
             for axis in AXES if mesh.shape[axis] > 1]
   tables.append({EXPERTS: tuple(a for a in expert_axes if mesh.shape[a] > 1)})

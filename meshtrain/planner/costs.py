@@ -206,10 +206,18 @@ def lockstep_seconds(name: str, microbatches: int, work_VxP: np.ndarray) -> floa
   the stages' busy time over (1 - `lockstep_bubble`)."""
   chunks, stages = work_VxP.shape
   work_with_idle_VxP = np.vstack([work_VxP, np.zeros(stages)])  # row -1: an idle stage
-  longest = sum(ticks * work_with_idle_VxP[list(row), range(stages)].max()
-                for row, ticks in table_counts(name, stages, microbatches, chunks
-                                               ).ticks_by_chunks.items())
-  return float(longest) / (3 * microbatches)
+  rows_RxP, ticks_R = _tick_rows(name, stages, microbatches, chunks)
+  longest_R = work_with_idle_VxP[rows_RxP, np.arange(stages)].max(axis=1)
+  return float(longest_R @ ticks_R) / (3 * microbatches)
+
+
+@functools.cache
+def _tick_rows(name: str, stages: int, microbatches: int, chunks: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+  """`table_counts`' ticks_by_chunks as arrays: the rows of chunks over the
+  stages (R x stages) and the ticks that run each (R)."""
+  by_row = table_counts(name, stages, microbatches, chunks).ticks_by_chunks
+  return np.array(list(by_row), dtype=int).reshape(-1, stages), np.array(list(by_row.values()))
 
 
 def fused_backward_seconds(microbatches: int, work_VxP: np.ndarray) -> float:

@@ -104,13 +104,13 @@ class _Comm:
 
 
 def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = None,
-             collectives: bool = True) -> dict:
+             collectives: bool = True, layouts: list | None = None) -> dict:
   """Per-device memory (bytes) and per-step collectives of the train step;
   `activations=0` leaves out the traced activation and backward bytes (the
   search scales its own), `collectives=False` the collectives. Memory is the
   device's through the forward and backward; with `config.offload` the state
   it keeps in pinned host memory is `host`, outside `total` (the update
-  brings it to the device)."""
+  brings it to the device). `layouts`: `leaf_layouts`' own, when already read."""
   param_bytes = jnp.dtype(cfg.param_dtype).itemsize
   grad_bytes = jnp.dtype(cfg.grad_dtype).itemsize
   accum = cfg.grad_accum_steps
@@ -124,7 +124,7 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   pipelined = axis_size["pipeline"] > 1
   microbatches = cfg.pipeline.microbatches if pipelined else 1
 
-  layouts = leaf_layouts(cfg, spec, rules, mesh)
+  layouts = layouts or leaf_layouts(cfg, spec, rules, mesh)
   state = state_bytes(cfg, spec, rules, mesh, layouts)
   host = state["host"]  # what `config.offload` keeps in pinned host memory
   memory = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],

@@ -63,6 +63,7 @@ from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.planner.clusters import Cluster
 from meshtrain.train import mesh_checks, setup as setup_lib
+from meshtrain.train.state_memory import leaf_layouts, stacked_slots
 from meshtrain.train.parallelize import llama_spec, model_config, slots
 
 BATCH_AXES = ("data", "fsdp")
@@ -382,6 +383,7 @@ class StepModel:
     self.flash = cluster.flash_attention and attention.flash_fits(mla.widths(m)[2])
     self.activations = _ActivationModel(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
+    self._layouts: dict[tuple, list] = {}
 
   def expert_split(self, c: Candidate) -> int:
     """The devices that split the routed experts (`config.expert_parallel`;
@@ -562,8 +564,14 @@ class StepModel:
 
   def _analytic(self, cfg, c: Candidate, collectives: bool) -> dict:
     mesh = _abstract_mesh(c.sizes)
-    return plan_lib.analytic(cfg, self.spec, setup_lib.sharding_rules(cfg, mesh), mesh,
-                             activations=0, collectives=collectives)
+    rules = setup_lib.sharding_rules(cfg, mesh)
+    # Of the config `leaf_layouts` reads the slots, whether gradients
+    # accumulate and the model (the base's): candidates share them.
+    key = (rules, mesh, stacked_slots(cfg), cfg.grad_accum_steps > 1)
+    if key not in self._layouts:
+      self._layouts[key] = leaf_layouts(cfg, self.spec, rules, mesh)
+    return plan_lib.analytic(cfg, self.spec, rules, mesh, activations=0,
+                             collectives=collectives, layouts=self._layouts[key])
 
   def collective_s(self, coll: dict, sizes: dict, crossing: list[str]) -> float:
     axes = coll["axis"].split("+")

@@ -100,7 +100,8 @@ class LeafLayout:
 
 def leaf_layouts(cfg, spec, rules: r.ShardingRules, mesh) -> list[LeafLayout]:
   """Every weight of `spec` laid out by `rules` on `mesh` (stacked layers as
-  a pipeline's slots hold them)."""
+  a pipeline's slots hold them). Of `cfg` it reads `stacked_slots`, whether
+  gradients accumulate (`grad_accum_steps` > 1) and the model's depth."""
   batch_axes = {a for a in BATCH_AXES if sizes(mesh)[a] > 1}
   slots = stacked_slots(cfg)
   layouts = []

@@ -13,6 +13,7 @@ each stage runs only its chunks' own layers.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ class StageLayout:
     return cls(balanced_counts(num_layers, num_stages * num_chunks), num_stages)
 
   @classmethod
+  @functools.lru_cache(maxsize=4096)  # a planner's search reads the same few layouts
   def parse(cls, text: str, num_layers: int, num_stages: int, num_chunks: int) -> "StageLayout":
     """`text` ("7,8,8,7": the layers of each chunk in model order; "": even)
     as a layout of `num_layers` layers; ValueError says what does not fit."""
