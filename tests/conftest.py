@@ -15,12 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+# LLVM at -O0 and XLA:CPU's older (non-MLIR) fusion emitters: each halves
+# compile times; tests time no kernels.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           # LLVM at -O0 and XLA:CPU's older (non-MLIR) fusion emitters:
-                           # each halves compile times; tests time no kernels
-                           " --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false").strip()
+                           " --xla_force_host_platform_device_count=8 " + FAST_COMPILE_FLAGS
+                           ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one cache per run, removed after it
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 import corpus  # noqa: E402
+
+pytest_plugins = ["compile_counts"]  # the run's XLA compiles, after the tests
 
 
 @pytest.fixture(scope="session", autouse=True)

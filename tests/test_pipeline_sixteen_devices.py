@@ -10,9 +10,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCRIPT = """
+from conftest import FAST_COMPILE_FLAGS
+
+SCRIPT = f"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16 --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16 {FAST_COMPILE_FLAGS}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import sys
 import jax

@@ -160,6 +160,7 @@ def test_the_search_tries_each_sequence_strategy_meshtrain_runs():
   assert strategies[(True, True)] == {"all_gather_kv", "ulysses"}
 
 
+@pytest.mark.slow  # a whole search: 74 traces of Mixtral's layers, about 2 minutes of one core
 def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
   """Mixtral's 8 experts on 64 devices: each candidate keeps its experts
   whole (over axes whose devices divide 8) or on every device, validates as

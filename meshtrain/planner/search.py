@@ -224,6 +224,9 @@ def across_hosts(sizes: dict, cluster: Cluster) -> list[str]:
 TRACED_LAYERS, TRACED_ROWS = 7, 2
 
 
+_ACTIVATION_MODELS: dict[tuple[str, bool], "_ActivationModel"] = {}
+
+
 class _ActivationModel:
   """Per-device activation bytes for any mesh from a few traces per kind of
   layout: the residuals of the model on a mesh of 2s with the same kinds of
@@ -235,6 +238,15 @@ class _ActivationModel:
 
   def __init__(self, cfg, flash: bool):
     self.cfg, self.flash = cfg, flash
+
+  @classmethod
+  def shared(cls, cfg, flash: bool) -> "_ActivationModel":
+    """The model of `cfg`'s contents: one for every search of the same
+    config (on other device counts, other clusters), so each traces once."""
+    key = (cfg.to_json_best_effort(sort_keys=True), flash)
+    if key not in _ACTIVATION_MODELS:
+      _ACTIVATION_MODELS[key] = cls(ml_collections.ConfigDict(cfg.to_dict()), flash)  # a copy
+    return _ACTIVATION_MODELS[key]
 
   @functools.cache
   def _traced(self, remat: str, tensor: bool, strategy: str | None, split_kv: bool,
@@ -381,7 +393,7 @@ class StepModel:
     self.dense_layers = plan_lib.dense_layers(cfg)
     # cuDNN's flash attention where the cluster has it and the heads fit it.
     self.flash = cluster.flash_attention and attention.flash_fits(mla.widths(m)[2])
-    self.activations = _ActivationModel(cfg, self.flash)
+    self.activations = _ActivationModel.shared(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
     self._layouts: dict[tuple, list] = {}
 
