@@ -5,8 +5,9 @@ are ```sh blocks, shown and not run). `input.txt`, which the README downloads
 with curl, is written here from real English text (`corpus`). Each block must
 exit 0, on one simulated CPU device as a user's machine has, unless it asks
 for more, and leave the file its block is run for (`LEAVES`). The blocks
-train: they run compiled as users compile (the tests' `FAST_COMPILE_FLAGS`
-took the tiny run from 102 s to 214 s, its steps at LLVM -O0)."""
+train, so they compile as users do: under the tests' `FAST_COMPILE_FLAGS`
+their steps run at LLVM -O0 and lose more than the compiles save
+(docs/test_time.md)."""
 
 import os
 import re
