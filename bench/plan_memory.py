@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 from meshtrain.config import load  # noqa: E402
 from meshtrain.planner.plan import abstract_mesh, plan, residual_bytes  # noqa: E402
-from meshtrain.train.setup import sharding_rules  # noqa: E402
+from meshtrain.train.run import sharding_rules  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

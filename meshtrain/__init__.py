@@ -13,6 +13,7 @@ The public API (stable names):
   FLAX_TRANSFORMER, names_by_path            path patterns for models without annotations
   Trainer(spec, loss_fn, optimizer, mesh)    sharded init and the compiled train step
   Trainer.for_nnx(create, loss_fn, ...)      the same from an NNX model and loss(model, batch)
+  Trainer.from_config(cfg)                  meshtrain's Llama of a config, every strategy (as `train`)
   trainer.verify(batch, steps=2)             the sharded step against unsharded plain jax.jit
 
 Logical names (VOCAB, EMBED, ... in WEIGHT_NAMES and ACTIVATION_NAMES) and the

@@ -16,7 +16,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf import config as hf_config, importer
 from meshtrain.hf.load import check_mtp_layers
 from meshtrain.train.resume import initial_state
-from meshtrain.train.setup import build, with_packing
+from meshtrain.train.setup import build
 
 
 def prepare(cfg, source: Path, workdir: Path) -> tuple[dict, bool]:
@@ -52,8 +52,8 @@ def import_hf(cfg, source, workdir) -> Path:
   (`meshtrain.hf.importer`) and a step-0 checkpoint."""
   source, workdir = Path(source), Path(workdir).absolute()
   hf, has_tokenizer = prepare(cfg, source, workdir)
-  cfg = with_packing(cfg)  # saved as a run saves it, so that the run resumes it
   setup = build(cfg)
+  cfg = setup.cfg  # saved as a run saves it (resolved), so that the run resumes it
   state = initial_state(setup, source, key="--from")
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                           vocab_size=cfg.model.vocab_size, seed=cfg.seed)

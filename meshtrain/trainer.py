@@ -1,4 +1,4 @@
-"""meshtrain's rules and train step for a model that is not meshtrain's own.
+"""meshtrain's rules and train step for any model, and for meshtrain's own.
 
     trainer = Trainer.for_nnx(lambda: MyModel(rngs=nnx.Rngs(0)), loss_fn, optax.adamw(1e-3),
                               make_mesh({"fsdp": 4, "tensor": 2}), patterns=FLAX_TRANSFORMER)
@@ -12,6 +12,12 @@ logical names come from their annotations (NNX `nnx.with_partitioning`, Linen
 honoured as those axes) or, for a model without them, from ordered path
 patterns (`meshtrain.models.patterns`). A model's own names join the tables
 through `rules={"kv": "head_dim"}`.
+
+meshtrain's Llama of a config, with every strategy the config names (the
+pipeline, local SGD, offload, float16 loss scaling, experts), is the object
+`meshtrain train` trains:
+
+    trainer = Trainer.from_config(meshtrain.config.load("configs/pp_1f1b.py", "tiny"))
 """
 
 import dataclasses
@@ -31,7 +37,8 @@ from meshtrain.analysis import selfcheck
 from meshtrain.errors import ConfigError
 from meshtrain.models.patterns import Patterns, names_by_path
 from meshtrain.planner import plan
-from meshtrain.train.state import ModelSpec, TrainState, init_state, nnx_spec, state_shardings
+from meshtrain.train.setup import Setup, build
+from meshtrain.train.state import ModelSpec, TrainState, merged, nnx_spec, state_shardings
 from meshtrain.train.step import TrainStep
 
 
@@ -83,7 +90,11 @@ def _kv_heads_split(spec: ModelSpec, tensor: int) -> bool:
 
 
 class Trainer:
-  """A model's sharded state and its compiled train step on one mesh."""
+  """A model's sharded state and its compiled train step on one mesh: a
+  `meshtrain.train.setup.Setup` (`setup`), the object `meshtrain train`
+  trains, with what a user asks of it. Any model through the constructor
+  (`for_nnx`, `linen_spec`); meshtrain's Llama of a config, with every
+  strategy the config names, through `from_config`."""
 
   def __init__(self, spec: ModelSpec, loss_fn: Callable[[Any, dict], jax.Array],
                optimizer: optax.GradientTransformation, mesh: Mesh, *,
@@ -98,21 +109,42 @@ class Trainer:
     `max_replicated_share` of the bytes, or a name has no rule, the trainer
     warns (`strict=True`: raises ConfigError).
     """
-    self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
-    self.loss_fn, self.param_dtype = loss_fn, param_dtype
     strategy = r.strategy_rules(mesh, zero_stage,
                                 split_kv_heads=_kv_heads_split(spec, mesh.shape["tensor"]))
-    self.rules = r.with_names(strategy, rules or {})
-    r.check_layout(spec.abstract_params, spec.names, mesh, self.rules)
-    axes = ("data",) * (zero_stage > 0) + WEIGHT_AXES
-    self.replicated = r.replicated_share(spec.abstract_params, spec.names, mesh,
-                                         self.rules.optimizer, axes)
+    table = r.with_names(strategy, rules or {})
+    r.check_layout(spec.abstract_params, spec.names, mesh, table)
+    shardings = state_shardings(spec, optimizer, mesh, table)
+    step_loss = functools.partial(_without_counts, loss_fn)
+    step = TrainStep(step_loss, spec.names, optimizer, mesh, table, shardings,
+                     grad_accum_steps=grad_accum_steps, param_dtype=param_dtype,
+                     nan_policy=nan_policy)
+    self._adopt(Setup(spec, optimizer, shardings, step, step_loss), loss_fn, param_dtype,
+                zero_stage)
     self._report_coverage(max_replicated_share, strict)
-    self.shardings = state_shardings(spec, optimizer, mesh, self.rules)
-    self.step = TrainStep(functools.partial(_without_counts, loss_fn), spec.names, optimizer,
-                          mesh, self.rules, self.shardings,
-                          grad_accum_steps=grad_accum_steps, param_dtype=param_dtype,
-                          nan_policy=nan_policy)
+
+  @classmethod
+  def from_config(cls, cfg, devices=None) -> "Trainer":
+    """meshtrain's Llama of `cfg` on `devices` (default: this machine's),
+    built as `meshtrain train` builds it (`meshtrain.train.setup.build`), with
+    every strategy and feature the config names: the pipeline, local SGD,
+    offload, float16 loss scaling, experts. Its `loss_fn(params, batch)` is
+    the step's loss with the model state as it starts."""
+    setup = build(cfg, devices)
+    trainer = cls.__new__(cls)
+
+    def loss_fn(params, batch):
+      return setup.loss_fn(params, batch, setup.spec.init_model_state())[0]
+    trainer._adopt(setup, loss_fn, setup.cfg.param_dtype, setup.cfg.zero_stage)
+    return trainer
+
+  def _adopt(self, setup: Setup, loss_fn: Callable[[Any, dict], jax.Array], param_dtype: str,
+             zero_stage: int) -> None:
+    self.setup, self.loss_fn, self.param_dtype = setup, loss_fn, param_dtype
+    self.spec, self.mesh, self.optimizer = setup.spec, setup.mesh, setup.optimizer
+    self.rules, self.shardings, self.step = setup.rules, setup.shardings, setup.train_step
+    axes = ("data",) * (zero_stage > 0) + WEIGHT_AXES
+    self.replicated = r.replicated_share(self.spec.abstract_params, self.spec.names, self.mesh,
+                                         self.rules.optimizer, axes)
 
   def _report_coverage(self, max_share: float, strict: bool) -> None:
     problems = [f"{share:.0%} of weight bytes are whole on every '{axis}' shard"
@@ -141,15 +173,16 @@ class Trainer:
 
   def init(self) -> TrainState:
     """Fresh weights and optimizer state, created in their shards."""
-    return init_state(self.spec, self.optimizer, self.shardings)
+    return self.setup.init_state()
 
   def place(self, batch: dict) -> dict:
     """A host batch as global arrays laid out for the step (single process)."""
     return jax.device_put(batch, self.step.batch_sharding)
 
   def model(self, state: TrainState) -> nnx.Module:
-    """The NNX module with the state's weights (sharded as they are), e.g. to evaluate."""
-    return nnx.merge(self.spec.graphdef, state.params)
+    """The NNX module with the state's weights and model state (sharded as
+    they are), e.g. to evaluate."""
+    return merged(self.spec, state.params, state.model_state)
 
   def plan(self, batch: dict) -> dict:
     """Per-device memory of the step on batches shaped like `batch`, activations

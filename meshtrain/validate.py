@@ -32,7 +32,8 @@ from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import mla, moe, rope
 from meshtrain.parallel import attention, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
-from meshtrain.train import local_sgd, mesh_checks, optimizer, parallelize, precision, setup
+from meshtrain.train import local_sgd, mesh_checks, optimizer, parallelize, precision
+from meshtrain.train.run import resolve
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
 
@@ -337,7 +338,7 @@ def check_devices(cfg, num_devices: int, platform: str | None = None) -> None:
   across = [a.strip() for a in cfg.mesh.across_hosts.split(",") if a.strip()]
   host_split(sizes, across, max(cfg.distributed.num_processes, 1))
   mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
-  mesh_checks.check(setup.padded_vocab(cfg, sizes["tensor"]), mesh)  # the run pads as it starts
+  resolve(cfg, mesh)  # every check of the run's resolution that needs no devices
   if sizes["sequence"] > 1:
     try:
       sequence.check_split(cfg.attention.sequence_strategy, cfg.model.num_heads, cfg.seq_len,

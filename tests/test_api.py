@@ -5,6 +5,7 @@ single-device jit training with the same optax optimizer."""
 import re
 import sys
 
+import chex
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -14,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshtrain
-from conftest import REPO
+from conftest import REPO, micro_config
 from reference import random_batches, reference_run
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -98,6 +99,35 @@ def test_linen_module_trains_like_plain_jit_with_zero3():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_config_trainer_is_the_run_meshtrain_train_builds_pipeline_included():
+  """`Trainer.from_config`: meshtrain's Llama of a config with a strategy
+  that the model-agnostic constructor does not wire (the 1F1B pipeline on
+  pipeline=2 x data=2 x fsdp=2, 2 microbatches), the same Setup the CLI's
+  build makes, trained like unsharded plain jit; its placement shows the
+  layers split over the stages."""
+  cfg = micro_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.pipeline": 2,
+                        "pipeline.schedule": "1f1b", "pipeline.microbatches": 2})
+  trainer = meshtrain.Trainer.from_config(cfg)
+  assert trainer.setup.run.pipelined and trainer.step is trainer.setup.train_step
+  state = trainer.init()
+  initial = jax.device_get(state.params)
+  batches = random_batches(3, batch=cfg.global_batch, length=cfg.seq_len,
+                           vocab=cfg.model.vocab_size)
+  losses = []
+  for batch in batches:
+    state, metrics = trainer.step(state, trainer.place(batch))
+    losses.append(float(metrics["loss"]))
+  ref_losses, ref_params = reference_run(trainer.spec.graphdef, initial, trainer.optimizer, batches)
+  chex.assert_trees_all_close(np.array(losses), ref_losses, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(jax.device_get(state.params), ref_params, rtol=1e-5,
+                              atol=1e-3 * cfg.optimizer.learning_rate)
+  layers = [p for p in trainer.placement() if p.path.startswith("layers/")]
+  assert layers and all(p.params.startswith("P('pipeline'") for p in layers)
+  # its loss_fn(params, batch): the step's loss, here of the first weights
+  np.testing.assert_allclose(jax.jit(trainer.loss_fn)(initial, batches[0]), ref_losses[0],
+                             rtol=1e-5)
 
 
 def test_path_patterns_take_the_first_match_and_check_the_rank():

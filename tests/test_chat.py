@@ -500,7 +500,7 @@ def test_a_corpus_with_a_loss_mask_keeps_conversations_apart_by_default(prepared
   conversation does not attend to the one before it; a text corpus stays
   `concat`. The run's config holds the choice."""
   from meshtrain.config import get_config
-  from meshtrain.train.setup import with_packing
+  from meshtrain.train.run import with_packing
   _, out, meta = prepared
   cfg = get_config()
   cfg.data.update(source="tokens", path=str(out))

@@ -146,11 +146,11 @@ def test_two_processes_of_four_devices_read_and_evaluate_like_one_of_eight(corpu
 
 
 def test_a_prepared_corpus_pads_the_vocabulary_to_a_multiple_of_tensor(corpus):
-  from meshtrain.train.loop import padded_vocab
+  from meshtrain.train.run import padded_vocab, resolve
   cfg = eval_config(corpus, **{"model.vocab_size": 257, "mesh.data": 2, "mesh.tensor": 4})
-  assert padded_vocab(cfg).model.vocab_size == 260 and cfg.model.vocab_size == 257
+  assert resolve(cfg).cfg.model.vocab_size == 260 and cfg.model.vocab_size == 257
   synthetic = micro_config(**{"model.vocab_size": 65, "mesh.data": 2, "mesh.tensor": 4})
-  assert padded_vocab(synthetic) is synthetic  # the task's vocabulary is the task
+  assert padded_vocab(synthetic, 4) is synthetic  # the task's vocabulary is the task
 
 
 def test_a_chat_corpus_evaluates_the_mean_over_the_assistant_tokens_of_all_batches(tmp_path):

@@ -444,7 +444,7 @@ def test_under_recomputation_the_modules_keep_no_copy_of_their_weights(remat):
   recomputed function, so what the head and the modules keep for the
   backward grows with the sequences alone: nothing fixed beside it."""
   from meshtrain.planner.plan import abstract_mesh, layer_and_head_residuals
-  from meshtrain.train.setup import sharding_rules
+  from meshtrain.train.run import sharding_rules
   cfg = micro_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.mtp_layers": 2, "remat": remat})
   mesh = abstract_mesh(cfg.mesh, 8)
   heads = [layer_and_head_residuals(cfg, mesh, sharding_rules(cfg, mesh), rows, remat)[1]

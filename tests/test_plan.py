@@ -20,7 +20,8 @@ from meshtrain.planner.plan import (abstract_mesh, activation_bytes, analytic, c
 from meshtrain.data import make_iterator
 from meshtrain.train.loop import to_global
 from meshtrain.train.parallelize import llama_spec, model_config
-from meshtrain.train.setup import build, sharding_rules
+from meshtrain.train.run import sharding_rules
+from meshtrain.train.setup import build
 from meshtrain.train.state_memory import stacked_slots
 
 STRATEGIES = {

@@ -23,7 +23,7 @@ from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
 from meshtrain.planner import calibration, clusters, costs, published, search
 from meshtrain.planner.plan import abstract_mesh, activation_bytes, backward_bytes
-from meshtrain.train.setup import sharding_rules
+from meshtrain.train.run import sharding_rules
 
 
 def assert_scaled_match_traced(changes: dict, mesh: dict, remat: str, tolerance: float,

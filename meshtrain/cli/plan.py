@@ -14,7 +14,6 @@ from meshtrain.cli import common, flag_parsing
 from meshtrain.errors import ConfigError
 from meshtrain.planner import clusters, search, verdict
 from meshtrain.planner.plan import format_plan, plan
-from meshtrain.train.setup import with_packing
 from meshtrain.train.state_memory import device_memory
 
 FLAGS = flags.FlagValues()
@@ -74,7 +73,7 @@ def main(argv: list[str]) -> None:
   common.use_simulated_devices(cfg)
   devices = _DEVICES.value or cfg.simulate_devices or jax.device_count()
   validate.check_devices(cfg, devices, jax.devices()[0].platform if _COMPILE.value else None)
-  report = plan(with_packing(cfg), devices, _COMPILE.value)
+  report = plan(cfg, devices, _COMPILE.value)
   report["verdict"] = _verdict(cfg, report)
   print(json.dumps(report, indent=2) if _JSON.value else
         f"{format_plan(report)}\n\n{report['verdict']['text']}")
@@ -109,7 +108,7 @@ def _plan_target(cfg) -> None:
                       f"{target.num_devices} devices; remove --devices")
   gpu_targets.devices(target)  # before anything starts a backend on this machine
   validate.check_devices(cfg, target.num_devices, "gpu")
-  report = plan(with_packing(cfg), target.num_devices, compile_step=False, target=target)
+  report = plan(cfg, target.num_devices, compile_step=False, target=target)
   measured = report["measured"]
   report["verdict"] = verdict.verdict(
       measured["memory_bytes"], target.num_devices, measured["usable_memory_bytes"],

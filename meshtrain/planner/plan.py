@@ -39,15 +39,16 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import gpu_targets, rules as r
 from meshtrain.analysis import gpu_program, hlo
-from meshtrain.mesh import AXES, axis_sizes, make_mesh
+from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.models import flops, mla
 from meshtrain.parallel import experts, sequence
 from meshtrain.parallel.pipeline.split import split_vjp
 from meshtrain.planner import clusters, costs, residuals
-from meshtrain.train import local_sgd, mesh_checks, pipelined, setup as setup_lib
+from meshtrain.train import local_sgd, pipelined, setup as setup_lib
 from meshtrain.train.loss import model_loss, with_loss_weights
-from meshtrain.train.parallelize import (attention_kernel, llama_spec, model_config, run_device,
-                                         slots, stage_layout)
+from meshtrain.train.parallelize import (Execution, attention_kernel, execution_for, llama_spec,
+                                         model_config, run_device, slots, stage_layout)
+from meshtrain.train.run import resolve
 from meshtrain.train.state import merged
 from meshtrain.train.state_memory import BATCH_AXES, leaf_layouts, prod, sizes, state_bytes
 
@@ -415,6 +416,13 @@ def traced_model(cfg, layers: int, remat: str):
                              moe=dataclasses.replace(model_cfg.moe, first_dense_layers=0))
 
 
+def traced_execution(cfg, mesh) -> Execution:
+  """The execution a plan traces the model's residuals with: the run's on
+  `mesh`'s devices, with XLA's attention (cuDNN's traces only where cuDNN
+  runs; `residual_bytes` drops the scores that flash attention never stores)."""
+  return dataclasses.replace(execution_for(cfg, run_device(mesh)), attention="xla")
+
+
 def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
                    on_host: bool = False) -> int:
   """Per-device bytes the Llama with `layers` layers saves on `rows` sequences
@@ -423,7 +431,7 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
   # cuDNN's flash attention traces only where cuDNN runs: trace XLA's and drop
   # the [.., length, length] scores, which flash attention never stores.
   flash = attention_kernel(cfg, run_device(mesh)) == "cudnn" and sizes(mesh)["sequence"] == 1
-  spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
+  spec = llama_spec(model_cfg, slots(cfg, mesh, traced_execution(cfg, mesh)))
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   saved = residuals.saved_residuals(llama_loss(spec), spec.abstract_params, spec.names, batch,
                                     mesh, rules)
@@ -454,8 +462,7 @@ def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> 
 def split_bytes(cfg, mesh, rules, rows: int) -> dict[str, int]:
   """Per-device bytes in device memory that a pipeline's split backward keeps
   of one layer for one microbatch of `rows` sequences (`split_values`)."""
-  spec = llama_spec(traced_model(cfg, 1, cfg.remat),
-                    slots(cfg, mesh, implementation="xla"))
+  spec = llama_spec(traced_model(cfg, 1, cfg.remat), slots(cfg, mesh, traced_execution(cfg, mesh)))
   return {name: sum(v.device_bytes for v in values if not v.on_host)
           for name, values in split_values(spec, cfg, rows, mesh, rules).items()}
 
@@ -663,19 +670,16 @@ def plan(cfg, num_devices: int, compile_step: bool,
   so it works for any model on any number of devices. With a `target` the
   step is compiled for its GPUs (on this machine: `gpu_targets`), and every
   execution choice (attention kernel, grouped GEMM) is made for them."""
-  mesh = abstract_mesh(cfg.mesh, num_devices)
-  mesh_checks.check(cfg, mesh)
-  devices = gpu_targets.devices(target) if target else None
-  if devices:
-    mesh = make_mesh(cfg.mesh, devices)  # its devices' kernels are what the plan counts
-  model_cfg = model_config(cfg)
-  spec = llama_spec(model_cfg)
+  run = resolve(cfg, gpu_targets.devices(target) if target
+                else abstract_mesh(cfg.mesh, num_devices))
+  cfg, mesh = run.cfg, run.mesh
+  spec = llama_spec(run.model)
   report = {"devices": num_devices, "mesh": dict(mesh.shape), "zero_stage": cfg.zero_stage,
             "parameters": flops.total_params(spec.abstract_params),
-            "active_parameters": int(flops.active_params(model_cfg, spec.abstract_params)),
-            "analytic": analytic(cfg, spec, setup_lib.sharding_rules(cfg, mesh), mesh)}
+            "active_parameters": int(flops.active_params(run.model, spec.abstract_params)),
+            "analytic": analytic(cfg, spec, run.rules, mesh)}
   if target:
-    report["measured"] = measured_on_target(setup_lib.build(cfg, devices), target)
+    report["measured"] = measured_on_target(setup_lib.assemble(run), target)
   elif compile_step:
     report["measured"] = measured(setup_lib.build(cfg))
   report["collectives"] = report["measured" if compile_step or target else

@@ -62,7 +62,8 @@ from meshtrain.parallel import attention, experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.planner.clusters import Cluster
-from meshtrain.train import mesh_checks, setup as setup_lib
+from meshtrain.train import mesh_checks
+from meshtrain.train.run import sharding_rules
 from meshtrain.train.state_memory import leaf_layouts, stacked_slots
 from meshtrain.train.parallelize import llama_spec, model_config, slots
 
@@ -270,7 +271,7 @@ class _ActivationModel:
     cfg = ml_collections.ConfigDict(self.cfg.to_dict())
     cfg.attention.sequence_strategy = strategy or cfg.attention.sequence_strategy
     cfg.expert_parallel, cfg.remat = ",".join(expert_axes), remat
-    spec = llama_spec(model_cfg, slots(cfg, mesh, implementation="xla"))
+    spec = llama_spec(model_cfg, slots(cfg, mesh, plan_lib.traced_execution(cfg, mesh)))
 
     def kinds(rows: int) -> collections.Counter:
       batch = {k: jax.ShapeDtypeStruct((rows * sizes["data"], self.cfg.seq_len), jnp.int32)
@@ -576,7 +577,7 @@ class StepModel:
 
   def _analytic(self, cfg, c: Candidate, collectives: bool) -> dict:
     mesh = _abstract_mesh(c.sizes)
-    rules = setup_lib.sharding_rules(cfg, mesh)
+    rules = sharding_rules(cfg, mesh)
     # Of the config `leaf_layouts` reads the slots, whether gradients
     # accumulate and the model (the base's): candidates share them.
     key = (rules, mesh, stacked_slots(cfg), cfg.grad_accum_steps > 1)

@@ -24,7 +24,7 @@ from meshtrain import rules as r
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import ConfigError
-from meshtrain.train import parallelize, pipelined
+from meshtrain.train import pipelined
 from meshtrain.train.loss import counted_tokens, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
 from meshtrain.train.relayout import read_saved
@@ -39,7 +39,7 @@ class Evaluator:
   def __init__(self, cfg, setup: Setup):
     if cfg.eval.batches < 1:
       raise ConfigError("config.eval.batches", f"is {cfg.eval.batches}; evaluate at least 1 batch")
-    loss_fn = _loss_fn(cfg, setup)
+    loss_fn = _loss_fn(setup)
     sharding = setup.train_step.batch_sharding
     batch_shape = (cfg.global_batch, cfg.seq_len)
     batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -82,17 +82,18 @@ class Evaluator:
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
 
-def _loss_fn(cfg, setup: Setup):
+def _loss_fn(setup: Setup):
   """(params, batch, model_state) -> mean loss, forward only: the pipeline's
   forward schedule on a pipeline mesh, else the training loss over the step's
   `grad_accum_steps` microbatches in turn."""
-  if setup.mesh.shape["pipeline"] > 1:
-    return pipelined.pipelined_loss(setup.spec, cfg.pipeline, setup.mesh, setup.rules,
-                                    layout=parallelize.stage_layout(cfg))
+  run = setup.run
+  if run.pipelined:
+    return pipelined.pipelined_loss(setup.spec, run.cfg.pipeline, run.mesh, run.rules,
+                                    layout=run.layout)
 
   def microbatched(params, batch, model_state):
     losses = jax.lax.map(lambda microbatch: setup.loss_fn(params, microbatch, model_state)[0],
-                         split_microbatches(batch, cfg.grad_accum_steps))
+                         split_microbatches(batch, run.cfg.grad_accum_steps))
     return jnp.mean(losses)
   return microbatched
 

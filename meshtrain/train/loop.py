@@ -18,15 +18,14 @@ from meshtrain.train.state_memory import check_fits
 from meshtrain.data import make_iterator
 from meshtrain.data.placement import process_rows, to_global
 from meshtrain.errors import TrainingHalted
-from meshtrain.mesh import make_mesh
 from meshtrain.models.flops import flops_per_token
 from meshtrain.train.evaluate import evaluator_for
 from meshtrain.train.metrics import MetricsWriter, Throughput
-from meshtrain.train.parallelize import from_stage_slots, model_config
+from meshtrain.train.parallelize import from_stage_slots
 from meshtrain.train.preemption import PreemptionRequest
 from meshtrain.train.resume import start_state
+from meshtrain.train.run import Run
 from meshtrain.train.setup import Setup, build
-from meshtrain.train.setup import padded_vocab as rounded_vocab, with_packing
 from meshtrain.train.watchdog import watchdog_for
 
 
@@ -54,23 +53,19 @@ def describe(setup: Setup) -> str:
   return "\n".join(lines)
 
 
-def padded_vocab(cfg):
-  """`meshtrain.train.setup.padded_vocab` on this run's mesh, printed where it changes."""
-  tensor = make_mesh(cfg.mesh, jax.devices()).shape["tensor"]
-  padded = rounded_vocab(cfg, tensor)
-  if padded is not cfg and jax.process_index() == 0:
-    print(f"model.vocab_size {cfg.model.vocab_size} -> {padded.model.vocab_size}, a multiple "
-          f"of mesh.tensor = {tensor} (the rows past the data's ids are padding)", flush=True)
-  return padded
-
-
-def packed(cfg):
-  """`meshtrain.train.setup.with_packing`, printed where "auto" chose segments."""
-  resolved = with_packing(cfg)
-  if resolved is not cfg and resolved.data.packing == "segments" and jax.process_index() == 0:
+def announce_resolved(given, run: Run) -> None:
+  """Prints what resolving the run (`meshtrain.train.run.resolve`) changed of
+  the config as given: the vocabulary padded, "auto" packing as segments."""
+  if jax.process_index():
+    return
+  resolved = run.cfg
+  if resolved.model.vocab_size != given.model.vocab_size:
+    print(f"model.vocab_size {given.model.vocab_size} -> {resolved.model.vocab_size}, a multiple "
+          f"of mesh.tensor = {run.mesh.shape['tensor']} (the rows past the data's ids are padding)",
+          flush=True)
+  if resolved.data.packing != given.data.packing and resolved.data.packing == "segments":
     print("data.packing auto -> segments: the corpus carries a loss mask, so each document "
           "(conversation) attends only to itself", flush=True)
-  return resolved
 
 
 def _announce(cfg, setup: Setup, workdir: Path, origin: str, start: int, rows: range) -> None:
@@ -127,8 +122,9 @@ def train(cfg) -> list[dict]:
 
 
 def _train(cfg, watchdog) -> list[dict]:
-  cfg = packed(padded_vocab(cfg))
   setup = build(cfg)
+  announce_resolved(cfg, setup.run)
+  cfg = setup.cfg
   check_fits(setup)
   evaluator = evaluator_for(cfg, setup)
   sharding = setup.train_step.batch_sharding
@@ -145,7 +141,7 @@ def _train(cfg, watchdog) -> list[dict]:
   workdir.mkdir(parents=True, exist_ok=True)
   _announce(cfg, setup, workdir, origin, first - 1, rows)
   throughput = Throughput(first, cfg.global_batch * cfg.seq_len,
-                          flops_per_token(model_config(cfg), model_params(setup),
+                          flops_per_token(setup.run.model, model_params(setup),
                                           cfg.seq_len), cfg.peak_flops * setup.mesh.size)
   writer = MetricsWriter(workdir, resumed_step=first - 1)
   records = []

@@ -79,6 +79,26 @@ def attention_kernel(cfg, device: jax.Device | None = None) -> str:
   return "xla" if kernel == "cudnn" and cfg.mesh.pipeline > 1 else kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """How the model runs on a run's devices, apart from what it is (a resume
+  may change any of it).
+
+  Attributes:
+    attention: the attention kernel (`attention_kernel`).
+    grouped_gemm: the experts' grouped GEMM (`grouped_gemm`).
+    dispatch: how tokens reach their experts (`config.experts.dispatch`).
+  """
+  attention: str
+  grouped_gemm: str
+  dispatch: str
+
+
+def execution_for(cfg, device: jax.Device) -> Execution:
+  """`cfg`'s execution choices resolved for `device`."""
+  return Execution(attention_kernel(cfg, device), grouped_gemm(cfg, device), cfg.experts.dispatch)
+
+
 # Why cuDNN's attention does not run in a pipeline's stages (jax 0.10.2, seen in
 # the program compiled for GPUs: docs/gpu_program.md).
 CUDNN_IN_PIPELINE = (
@@ -87,11 +107,10 @@ CUDNN_IN_PIPELINE = (
     "Shardy's verification")
 
 
-def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
-  """The model's slots for `cfg` on `mesh`, its kernels chosen for `mesh`'s
-  devices (`implementation` overrides the attention kernel, as a plan traced
-  on abstract values does)."""
-  implementation = implementation or attention_kernel(cfg, run_device(mesh))
+def slots(cfg, mesh, execution: Execution) -> Slots:
+  """The model's slots for `cfg` on `mesh` (a `Mesh` or an `AbstractMesh`),
+  running as `execution` says."""
+  implementation = execution.attention
   if mesh.shape["sequence"] > 1:
     strategy = cfg.attention.sequence_strategy
     attend = functools.partial(sequence.sequence_attention, strategy=strategy,
@@ -103,7 +122,7 @@ def slots(cfg, mesh: Mesh, implementation: str | None = None) -> Slots:
     slot["experts"] = functools.partial(
         experts.expert_parallel, axes=expert_axes(cfg),
         per_sequence=model_config(cfg).moe.capacity(cfg.seq_len),
-        gemm=grouped_gemm(cfg, run_device(mesh)), dispatch=cfg.experts.dispatch)
+        gemm=execution.grouped_gemm, dispatch=execution.dispatch)
   if cfg.model.moe.num_experts and cfg.attention.sequence_strategy == "ring":
     # An expert's capacity counts in position order, through the zigzag.
     slot["count_before"] = functools.partial(sequence.count_before, zigzag=True)
@@ -151,13 +170,6 @@ def _update_biases(rate: float, model_state: dict, stats: dict) -> dict:
     new["mtp"] = {**model_state["mtp"], "block": {**block, "mlp": update(
         block["mlp"], stats["load_E"][routed:])}}
   return new
-
-
-def model_spec(cfg, mesh: Mesh) -> ModelSpec:
-  """The Llama of `cfg` with its slots filled for `mesh`, its layers' weights
-  (and state) stored as the pipeline's stage layout holds them."""
-  return in_stage_slots(llama_spec(model_config(cfg), slots(cfg, mesh), cfg.seed),
-                        stage_layout(cfg))
 
 
 def stage_layout(cfg) -> StageLayout:

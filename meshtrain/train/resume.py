@@ -14,7 +14,6 @@ from meshtrain.hf import importer
 from meshtrain.hf.load import check_model, load_model_state, load_params
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.optimizer import schedule_change
-from meshtrain.train.parallelize import stage_layout
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.relayout import Relayout, saved_layout
 from meshtrain.train.setup import Setup
@@ -57,7 +56,7 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
       _check_same_run(own, step, cfg)
     if source is own and not cfg.checkpoint.allow_changes:
       _check_unchanged(own, step, cfg)
-    relayout = Relayout(saved_layout(source.saved_config(step)), stage_layout(cfg))
+    relayout = Relayout(saved_layout(source.saved_config(step)), setup.run.layout)
     abstract, shardings = relayout.as_saved(setup.abstract_state(), setup.shardings)
     state = relayout.moved(source.restore(step, shardings, abstract, batches, cfg),
                            setup.shardings)
@@ -138,7 +137,7 @@ def _own(cfg) -> Checkpoints:
 def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
   """The train state at step 0 with the weights of the Hugging Face model in
   `directory`, each device reading only its shards (`key` names the flag)."""
-  own = stage_layout(setup.cfg)  # the model's layers are one stack there
+  own = setup.run.layout  # the model's layers are one stack there
   relayout = Relayout(StageLayout((own.num_layers,), 1), own)
   params = relayout.moved(load_params(directory, *relayout.as_saved(
       setup.spec.abstract_params, setup.shardings.params), key=key), setup.shardings.params)

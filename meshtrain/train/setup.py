@@ -1,4 +1,4 @@
-"""From a config to everything a run needs: mesh, rules, model, optimizer, state layout and step."""
+"""From a resolved run to what it trains with: model, optimizer, state layout and step."""
 
 import dataclasses
 
@@ -7,9 +7,8 @@ import optax
 from jax.sharding import Mesh
 
 from meshtrain import rules as r
-from meshtrain.data import packing as data_packing
-from meshtrain.mesh import make_mesh
-from meshtrain.train import local_sgd, mesh_checks, parallelize, precision
+from meshtrain.train import local_sgd, parallelize
+from meshtrain.train.run import Run, resolve
 from meshtrain.train.optimizer import learning_rate_schedule, make_optimizer
 from meshtrain.train.precision import initial_loss_scale
 from meshtrain.train.loss import model_loss
@@ -19,67 +18,60 @@ from meshtrain.train.state import (ModelSpec, TrainState, in_memory, init_state,
 from meshtrain.train.step import LossFn, TrainStep
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  cfg: object
-  mesh: Mesh
-  rules: r.ShardingRules
+  """A model built to train on one mesh: its spec, optimizer, state layout and
+  step. `build` makes meshtrain's Llama of a resolved run (`run`, with every
+  strategy of its config); `meshtrain.trainer.Trainer` wraps one for any model."""
   spec: ModelSpec
   optimizer: optax.GradientTransformation
-  schedule: optax.Schedule
   shardings: TrainState
   train_step: TrainStep | local_sgd.LocalSGDStep
   loss_fn: LossFn  # (params, batch, model state) -> (mean loss, counts), as the step trains it
+  run: Run | None = None  # None for a model that is not meshtrain's own
+  schedule: optax.Schedule | None = None  # the learning rate by step, where known
+
+  @property
+  def cfg(self):
+    return self.run.cfg
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.train_step.mesh
+
+  @property
+  def rules(self) -> r.ShardingRules:
+    return self.train_step.rules
 
   def init_state(self) -> TrainState:
+    """Fresh weights and optimizer state, created in their shards."""
     if isinstance(self.train_step, local_sgd.LocalSGDStep):
       return self.train_step.init_state()
-    return init_state(self.spec, self.optimizer, self.shardings, initial_loss_scale(self.cfg))
+    return init_state(self.spec, self.optimizer, self.shardings,
+                      initial_loss_scale(self.cfg) if self.run else None)
 
   def abstract_state(self) -> TrainState:
     """Shapes and dtypes of the state, for restoring into."""
     return jax.eval_shape(self.init_state)
 
 
-def padded_vocab(cfg, tensor: int):
-  """The config with `model.vocab_size` rounded up to a multiple of `tensor`
-  (the mesh's) where the data's ids are fewer than the vocabulary (a prepared
-  corpus, byte-level text): the extra rows are padding, never a target, and
-  `vocab` splits evenly. A synthetic task's vocabulary is the task: as given."""
-  if cfg.data.source not in ("tokens", "text") or not cfg.model.vocab_size % tensor:
-    return cfg
-  cfg = cfg.copy_and_resolve_references()
-  cfg.model.vocab_size = -(-cfg.model.vocab_size // tensor) * tensor
-  return cfg
-
-
-def with_packing(cfg):
-  """The config with `data.packing` "auto" resolved (`meshtrain.data.packing`):
-  "segments" for a corpus with a loss mask, else "concat"."""
-  resolved = data_packing(cfg.data)
-  if resolved == cfg.data.packing:
-    return cfg
-  cfg = cfg.copy_and_resolve_references()
-  cfg.data.packing = resolved
-  return cfg
-
-
-def sharding_rules(cfg, mesh) -> r.ShardingRules:
-  return r.strategy_rules(mesh, cfg.zero_stage, tensor_sequence_parallel=cfg.tensor_sequence_parallel,
-                          split_kv_heads=cfg.model.num_kv_heads % mesh.shape["tensor"] == 0,
-                          expert_axes=parallelize.expert_axes(cfg))
+def model_spec(run: Run) -> ModelSpec:
+  """The run's Llama with its slots filled for the run's mesh, its layers'
+  weights (and state) stored as the pipeline's stage layout holds them."""
+  model_slots = parallelize.slots(run.cfg, run.mesh, run.execution)
+  return parallelize.in_stage_slots(parallelize.llama_spec(run.model, model_slots, run.cfg.seed),
+                                    run.layout)
 
 
 def build(cfg, devices=None) -> Setup:
-  cfg = with_packing(cfg)
-  mesh = make_mesh(cfg.mesh, devices if devices is not None else jax.devices())
-  mesh_checks.check(cfg, mesh)
-  mesh_checks.check_machine(cfg, mesh)
-  local_sgd.validate(cfg)
-  precision.validate(cfg)
-  rules = sharding_rules(cfg, mesh)
-  spec = parallelize.model_spec(cfg, mesh)
+  """`cfg` resolved on `devices` (`meshtrain.train.run.resolve`) and assembled."""
+  return assemble(resolve(cfg, devices))
+
+
+def assemble(run: Run) -> Setup:
+  """The model, optimizer, state layout and train step of `run` (on a mesh of devices)."""
+  cfg, mesh, rules = run.cfg, run.mesh, run.rules
+  spec = model_spec(run)
   schedule = learning_rate_schedule(cfg.optimizer, cfg.steps)
   optimizer = make_optimizer(cfg.optimizer, cfg.steps)
   shardings = state_shardings(spec, optimizer, mesh, rules, initial_loss_scale(cfg))
@@ -93,15 +85,15 @@ def build(cfg, devices=None) -> Setup:
   grads_fn = (pipelined_value_and_grad(spec, cfg.pipeline, mesh, rules, cfg.remat,
                                        cfg.grad_accum_steps,
                                        replicas=bool(cfg.local_sgd.inner_steps),
-                                       layout=parallelize.stage_layout(cfg))
-              if mesh.shape["pipeline"] > 1 else None)
+                                       layout=run.layout)
+              if run.pipelined else None)
   if cfg.local_sgd.inner_steps:
     step = local_sgd.LocalSGDStep(cfg.local_sgd, spec, loss_fn, optimizer, mesh, rules,
                                   replica_grads_fn=grads_fn,
                                   grad_accum_steps=cfg.grad_accum_steps,
                                   param_dtype=cfg.param_dtype, grad_dtype=cfg.grad_dtype,
                                   mtp_depth=cfg.model.mtp_layers, schedule=schedule)
-    return Setup(cfg, mesh, rules, spec, optimizer, schedule, step.shardings, step, loss_fn)
+    return Setup(spec, optimizer, step.shardings, step, loss_fn, run, schedule)
   step = TrainStep(loss_fn, spec.names, optimizer, mesh, rules, shardings,
                    grad_accum_steps=cfg.grad_accum_steps, param_dtype=cfg.param_dtype,
                    grad_dtype=cfg.grad_dtype, schedule=schedule, grads_fn=grads_fn,
@@ -111,7 +103,7 @@ def build(cfg, devices=None) -> Setup:
                    # the MoE balance counts the whole batch's tokens
                    replica_sums=not cfg.model.moe.num_experts,
                    mtp_depth=cfg.model.mtp_layers)
-  return Setup(cfg, mesh, rules, spec, optimizer, schedule, shardings, step, loss_fn)
+  return Setup(spec, optimizer, shardings, step, loss_fn, run, schedule)
 
 
 def offloaded(shardings: TrainState, offload_cfg) -> TrainState:
