@@ -35,6 +35,7 @@ def _run_keys(c: ml_collections.ConfigDict) -> None:
   c.grad_accum_steps = 1        # microbatches per step; divides global_batch / (data * fsdp)
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
   c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
+  c.float8 = "none"             # the projections' GEMMs in float8: none | tensorwise | rowwise (docs/float8.md)
   c.grad_dtype = "float32"      # gradients and their accumulator: float32 or bfloat16 (2 bytes/param, as ZeRO counts)
   c.remat = "none"              # activation recomputation per layer: none | full | selective | offload
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`

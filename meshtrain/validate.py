@@ -30,7 +30,7 @@ from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
 from meshtrain.models import mla, moe, rope
-from meshtrain.parallel import attention, sequence
+from meshtrain.parallel import attention, float8, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.train import local_sgd, mesh_checks, optimizer, parallelize, precision
 from meshtrain.train.run import resolve
@@ -77,6 +77,7 @@ RULES: dict[str, Rule] = {
     "grad_accum_steps": at_least(1),
     "param_dtype": one_of(mesh_checks.DTYPES),
     "compute_dtype": one_of(mesh_checks.DTYPES),
+    "float8": one_of(float8.CHOICES),
     "remat": one_of(mesh_checks.REMAT),
     "zero_stage": one_of(rules.ZERO_STAGES),
     "simulate_devices": within(0, MAX_SIMULATED_DEVICES),

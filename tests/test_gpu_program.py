@@ -210,6 +210,26 @@ def test_expert_all_to_alls_are_asynchronous():
   assert len(dispatch) >= 4 and all(c.asynchronous for c in dispatch)  # there and back, twice
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
+def test_float8_runs_every_projection_gemm_in_float8_and_only_the_head_in_bfloat16(recipe):
+  """`config.float8` on fsdp=8: each projection (fused q/k/v, out, fused
+  gate/up, down) of each layer has its forward, input-gradient and
+  weight-gradient GEMM with float8 operands (XLA makes them Triton GEMM
+  fusions; docs/float8.md), tensorwise's backward with e5m2 gradients; the
+  one bfloat16 GEMM left is the head's, forward and backward."""
+  _, _, bfloat16 = program("h100:1x8", **{"mesh.fsdp": 8})
+  setup, _, kernels = program("h100:1x8", **{"mesh.fsdp": 8, "float8": recipe})
+  projections = 3 * 4 * setup.cfg.model.num_layers
+  gemms = [k for k in kernels if k["kernel"] != gpu_program.FLASH_ATTENTION]
+  float8_gemms = sum(k["count"] for k in gemms if "f8" in k["operands"])
+  assert float8_gemms == projections
+  assert sum(k["count"] for k in gemms if "f8" not in k["operands"]) == 3  # the head's
+  assert sum(k["count"] for k in bfloat16 if k["kernel"] != gpu_program.FLASH_ATTENTION) == (
+      projections + 3)
+  gradients = sum(k["count"] for k in gemms if "f8e5m2" in k["operands"])
+  assert gradients == (2 * projections // 3 if recipe == "tensorwise" else 0)
+
+
 def test_gpu_steps_compile_with_the_overlap_options_and_cpu_steps_without():
   setup, _, _ = program("h100:1x8", **{"mesh.fsdp": 8})
   assert xla_options.for_mesh(setup.mesh) == xla_options.GPU

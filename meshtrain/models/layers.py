@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import rules as r
+from meshtrain.parallel import float8 as float8_lib
 
 QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 
@@ -52,8 +53,9 @@ def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
 
 
 def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
-                  fuse=lambda w: w) -> jax.Array:
-  """`einsum(equation, x, fuse(*weights))` with the weights cast to x's dtype,
+                  fuse=lambda w: w, float8: str = "none") -> jax.Array:
+  """`einsum(equation, x, fuse(*weights))` with the weights cast to x's dtype
+  (its GEMMs in float8 by the `float8` recipe: `meshtrain.parallel.float8`),
   the cast and fused weight built again in the backward instead of saved:
   saved, it is a weight-sized residual in every layer (the q/k/v and gate/up
   concatenations: 285 MB per llama_8b layer). Only the cheap cast and
@@ -67,15 +69,18 @@ def weight_matmul(equation: str, x: jax.Array, *weights: jax.Array,
   XLA may merge the two and keep the module's cast weights to its backward."""
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def matmul(x, *weights):
-    return jnp.einsum(equation, x, fuse(*(w.astype(x.dtype) for w in weights)))
+    w = fuse(*(w.astype(x.dtype) for w in weights))
+    return (jnp.einsum(equation, x, w) if float8 == "none"
+            else float8_lib.einsum(equation, x, w, float8))
   return matmul(x, *weights)
 
 
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x)), its hidden width `hidden_dim`."""
 
-  def __init__(self, embed_dim: int, hidden_dim: int, rngs: nnx.Rngs):
+  def __init__(self, embed_dim: int, hidden_dim: int, rngs: nnx.Rngs, float8: str = "none"):
     d, f = embed_dim, hidden_dim
+    self.float8 = float8  # the recipe of its matmuls (`weight_matmul`)
     self.w_gate_DxF = param(rngs, (d, f), (r.EMBED, r.MLP), d)
     self.w_up_DxF = param(rngs, (d, f), (r.EMBED, r.MLP), d)
     self.w_down_FxD = param(rngs, (f, d), (r.MLP, r.EMBED), f)
@@ -85,10 +90,12 @@ class MLP(nnx.Module):
     # tensor parallelism, not two.
     gate_up_2xBxLxF = r.constrain(
         weight_matmul("bld,cdf->cblf", x_BxLxD, self.w_gate_DxF[...], self.w_up_DxF[...],
-                      fuse=lambda *w: jnp.stack(w)), (None, r.BATCH, r.LENGTH, r.ACT_MLP))
+                      fuse=lambda *w: jnp.stack(w), float8=self.float8),
+        (None, r.BATCH, r.LENGTH, r.ACT_MLP))
     gate_BxLxF, up_BxLxF = checkpoint_name(gate_up_2xBxLxF, MLP_IN)
     h_BxLxF = r.constrain(swiglu(gate_BxLxF, up_BxLxF), (r.BATCH, r.LENGTH, r.ACT_MLP))
-    return checkpoint_name(weight_matmul("blf,fd->bld", h_BxLxF, self.w_down_FxD[...]), MLP_OUT)
+    return checkpoint_name(weight_matmul("blf,fd->bld", h_BxLxF, self.w_down_FxD[...],
+                                         float8=self.float8), MLP_OUT)
 
 
 @jax.checkpoint

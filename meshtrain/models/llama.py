@@ -60,6 +60,7 @@ class LlamaConfig:
   qk_norm: bool = False      # RMSNorm of each q and k head before RoPE (Qwen3)
   sliding_window: int = 0    # attend to the last N tokens (Mistral); 0: the whole prefix
   compute_dtype: str = "float32"
+  float8: str = "none"       # the projections' GEMMs in float8 (`meshtrain.parallel.float8`)
   remat: Remat = "none"
   rope_scaling_factor: float = 1.0  # RoPE's context scaling (models/rope.py); 1: none
   rope_low_freq_factor: float = 1.0
@@ -165,7 +166,8 @@ class Attention(nnx.Module):
     wq, wk, wv = (w[...] for w in (self.wq_DxNxH, self.wk_DxKxH, self.wv_DxKxH))
     rules = dict(flax.core.spmd.get_logical_axis_rules() or ())
     if rules.get(r.KV_HEADS) != rules.get(r.HEADS):  # kv heads whole, query heads split
-      return tuple(checkpoint_name(weight_matmul(equation, x_BxLxD, w), QKV)
+      return tuple(checkpoint_name(weight_matmul(equation, x_BxLxD, w, float8=self.cfg.float8),
+                                   QKV)
                    for equation, w in (("bld,dnh->blnh", wq), ("bld,dkh->blkh", wk),
                                        ("bld,dkh->blkh", wv)))
     (d, n, h), k = wq.shape, wk.shape[1]
@@ -173,7 +175,8 @@ class Attention(nnx.Module):
     def fuse(wq, wk, wv):
       return jnp.concatenate([wq.reshape(d, k, n // k, h), wk[:, :, None], wv[:, :, None]], 2)
 
-    qkv_BxLxKxGxH = r.constrain(weight_matmul("bld,dkgh->blkgh", x_BxLxD, wq, wk, wv, fuse=fuse),
+    qkv_BxLxKxGxH = r.constrain(weight_matmul("bld,dkgh->blkgh", x_BxLxD, wq, wk, wv, fuse=fuse,
+                                              float8=self.cfg.float8),
                                 (r.BATCH, r.LENGTH, r.ACT_KV_HEADS, None, r.HEAD_DIM))
     qkv_BxLxKxGxH = checkpoint_name(qkv_BxLxKxGxH, QKV)
     batch, length = x_BxLxD.shape[:2]
@@ -190,7 +193,8 @@ class Attention(nnx.Module):
 
   def project_out(self, out_BxLxNxH: jax.Array) -> jax.Array:
     """The heads' outputs back to the residual width."""
-    return weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...])
+    return weight_matmul("blnh,nhd->bld", out_BxLxNxH, self.wo_NxHxD[...],
+                         float8=self.cfg.float8)
 
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                segment_ids_BxL: jax.Array | None = None) -> jax.Array:
@@ -330,7 +334,7 @@ class Block(nnx.Module):
       self.mlp = MoE(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, slots.experts, slots.token_sum,
                      slots.aux_loss_weight / moe_layers, slots.count_before)
     else:
-      self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, rngs)
+      self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, rngs, cfg.float8)
 
   def forward(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
               segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, dict | None]:

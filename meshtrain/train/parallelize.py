@@ -49,7 +49,7 @@ def model_config(cfg) -> LlamaConfig:
   model = cfg.model.to_dict()
   return LlamaConfig(**{**model, "moe": moe.MoEConfig(**model["moe"]),
                         "mla": mla.MLAConfig(**model["mla"])},
-                     compute_dtype=cfg.compute_dtype, remat=cfg.remat)
+                     compute_dtype=cfg.compute_dtype, float8=cfg.float8, remat=cfg.remat)
 
 
 def grouped_gemm(cfg, device: jax.Device | None = None) -> str:

@@ -1,0 +1,93 @@
+"""Float8 training against bfloat16 on the shakespeare text: loss after equal
+steps, and the step's speed on this CPU, in one process.
+
+  python bench/float8.py [--steps 300]
+
+Trains a 0.1M-parameter Llama on 8 simulated CPU devices (fsdp=8) in
+bfloat16 and with each `config.float8` recipe (bfloat16 elsewhere), the same
+batches and initial weights. Writes its table into docs/benchmarks.md and
+docs/float8_loss.png. The CPU has no float8 units: its speed says what the
+quantization costs there, not what a GPU gains (docs/float8.md).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from meshtrain.config import get_config  # noqa: E402
+from meshtrain.train.loop import train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from report import write_section  # noqa: E402
+
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+RUNS = {"bfloat16": "none", "float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise"}
+WINDOW = 20  # steps averaged for the final loss
+
+
+def config(steps: int, workdir: str, recipe: str):
+  cfg = get_config()
+  cfg.update(steps=steps, workdir=workdir, global_batch=32, seq_len=64, log_every=1,
+             compute_dtype="bfloat16", param_dtype="bfloat16", float8=recipe)
+  cfg.model.update(embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   mlp_dim=192)  # 0.1M parameters: a run is minutes on a shared 2-core CPU
+  cfg.mesh.update(data=1, fsdp=8)
+  cfg.data.update(source="text", path=str(SHAKESPEARE))
+  cfg.checkpoint.every_steps = 0
+  return cfg
+
+
+def draw(rows, path):
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for row in rows:
+    losses = np.convolve(row["losses"], np.ones(WINDOW) / WINDOW, mode="valid")
+    ax.plot(np.arange(WINDOW, len(row["losses"]) + 1), losses, label=row["run"])
+  ax.set_xlabel("step (32 x 64 tokens each)")
+  ax.set_ylabel(f"training loss ({WINDOW}-step mean)")
+  ax.set_title("0.1M-parameter Llama on shakespeare, fsdp=8 (simulated CPU devices)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--steps", type=int, default=300)
+  args = parser.parse_args()
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, recipe in RUNS.items():
+      print(f"training {name}", flush=True)
+      records = train(config(args.steps, f"{tmp}/{len(rows)}", recipe))
+      speeds = [r["tokens_per_sec"] for r in records[len(records) // 2:] if r["tokens_per_sec"]]
+      rows.append({"run": name, "losses": [r["loss"] for r in records],
+                   "final_loss": float(np.mean([r["loss"] for r in records][-WINDOW:])),
+                   "tokens_per_sec": float(np.median(speeds))})
+  base = rows[0]
+  table = ["| run | final loss | vs bfloat16 | tokens/s on this CPU | vs bfloat16 |",
+           "|---|---|---|---|---|"]
+  for row in rows:
+    table.append(f"| {row['run']} | {row['final_loss']:.4f} | "
+                 f"{row['final_loss'] / base['final_loss'] - 1:+.2%} | "
+                 f"{row['tokens_per_sec']:,.0f} | "
+                 f"{row['tokens_per_sec'] / base['tokens_per_sec']:.2f}x |")
+  draw(rows, REPO / "docs" / "float8_loss.png")
+  write_section("float8", rows, f"{args.steps} steps of 32 x 64 tokens; final loss is the mean "
+                f"of the last {WINDOW} steps; tokens/s the median of the second half.\n\n"
+                + "\n".join(table), command=f"python bench/float8.py --steps {args.steps}")
+  print("\n".join(table))
+
+
+if __name__ == "__main__":
+  main()

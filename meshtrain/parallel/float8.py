@@ -1,0 +1,104 @@
+"""Float8 matmuls with current scaling (`config.float8`), forward and backward.
+
+Each operand of each of a matmul's three GEMMs (the forward, the input
+gradient, the weight gradient) is quantized just in time: divided by a float32
+scale, its absolute maximum over the scaling group divided by the float8
+format's largest value, clipped to it and rounded to the format; the GEMM
+multiplies the float8 operands with float32 accumulation and multiplies its
+output by the two scales. An all-zero group has scale 1.
+
+Recipes:
+  - `tensorwise`: one scale per operand (torchtitan's and Transformer Engine's
+    current scaling). Weights and activations in e4m3; gradients in e5m2,
+    whose 5 exponent bits hold the spread of values one scale must cover.
+  - `rowwise`: one scale per slice along every dimension the GEMM does not
+    contract (per row of the activations, per column of the weights, and per
+    row of each backward operand, taken again along that GEMM's own
+    contraction); every operand in e4m3, since per-row scales leave each
+    group a narrow range and e4m3's extra mantissa bit is the better use.
+
+What the GEMMs run as is XLA's: in the program its GPU compiler builds for an
+H100 (`meshtrain plan --target`) each of them is a Triton GEMM fusion with
+float8 operands (docs/float8.md).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a float8 matmul scales: `per_slice` (rowwise) or one scale per
+  operand, and the format of the gradients."""
+  per_slice: bool
+  gradient: jnp.dtype
+
+
+RECIPES = {"tensorwise": Recipe(per_slice=False, gradient=E5M2),
+           "rowwise": Recipe(per_slice=True, gradient=E4M3)}
+CHOICES = ("none", *RECIPES)
+
+
+def quantize(x: jax.Array, dtype, axes: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array]:
+  """`x` in float8 `dtype` and its float32 scale (x ~ q * scale), the absolute
+  maximum taken over `axes` (kept as size-1 dimensions; None: all of x)."""
+  x32 = x.astype(jnp.float32)
+  largest = float(jnp.finfo(dtype).max)
+  amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+  scale = jnp.where(amax > 0, amax / largest, 1.0)
+  return jnp.clip(x32 / scale, -largest, largest).astype(dtype), scale
+
+
+def scaled_einsum(equation: str, a: jax.Array, a_dtype, b: jax.Array, b_dtype, per_slice: bool,
+                  out_dtype) -> jax.Array:
+  """`einsum(equation, a, b)` as one float8 GEMM: each operand quantized to
+  its format, scaled per slice of its dimensions outside the contraction
+  (`per_slice`) or as a whole."""
+  inputs, out = equation.split("->")
+  a_dims, b_dims = inputs.split(",")
+  contracted = (set(a_dims) & set(b_dims)) - set(out)
+
+  def axes(dims: str) -> tuple[int, ...] | None:
+    return tuple(i for i, d in enumerate(dims) if d in contracted) if per_slice else None
+  qa, a_scale = quantize(a, a_dtype, axes(a_dims))
+  qb, b_scale = quantize(b, b_dtype, axes(b_dims))
+  product = jnp.einsum(equation, qa, qb, preferred_element_type=jnp.float32)
+  # The scales as the output's broadcast: outer products of the slices' scales
+  # (their contracted dimensions have size 1), or one number.
+  scale = (jnp.einsum(equation, a_scale, b_scale) if per_slice
+           else a_scale.reshape(()) * b_scale.reshape(()))
+  return (product * scale).astype(out_dtype)
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
+  """`einsum(equation, x, w)` (an activation and a weight, in x's dtype) with
+  its three GEMMs in float8 by `recipe` (`RECIPES`)."""
+  return _float8_einsum(equation, RECIPES[recipe], x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _float8_einsum(equation: str, recipe: Recipe, x: jax.Array, w: jax.Array) -> jax.Array:
+  return scaled_einsum(equation, x, E4M3, w, E4M3, recipe.per_slice, x.dtype)
+
+
+def _forward(equation: str, recipe: Recipe, x: jax.Array, w: jax.Array):
+  return _float8_einsum(equation, recipe, x, w), (x, w)
+
+
+def _backward(equation: str, recipe: Recipe, residuals, g: jax.Array):
+  x, w = residuals
+  inputs, out = equation.split("->")
+  x_dims, w_dims = inputs.split(",")
+  g_x = scaled_einsum(f"{out},{w_dims}->{x_dims}", g, recipe.gradient, w, E4M3, recipe.per_slice,
+                      x.dtype)
+  g_w = scaled_einsum(f"{x_dims},{out}->{w_dims}", x, E4M3, g, recipe.gradient, recipe.per_slice,
+                      w.dtype)
+  return g_x, g_w
+
+
+_float8_einsum.defvjp(_forward, _backward)

@@ -1,0 +1,142 @@
+"""Float8 training (`config.float8`, `meshtrain.parallel.float8`): the
+quantized matmul and its gradients against a quantizer written here in numpy
+and ml_dtypes (float64 GEMMs of the dequantized operands), the model's
+projections in float8 on a mesh against the same float8 model on one device.
+What the GPU compiler makes of the GEMMs: tests/test_gpu_program.py."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import micro_config, tiered
+from equivalence import meshtrain_run
+from meshtrain.errors import ConfigError
+from meshtrain.parallel import float8
+from meshtrain.train.setup import build
+from reference import random_batches
+
+# Formats of (forward operands, gradient) by recipe, as docs/float8.md gives them.
+FORMATS = {"tensorwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2),
+           "rowwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn)}
+
+
+def dequantized(x: np.ndarray, dtype, axes) -> np.ndarray:
+  """x through `dtype` with a float32 scale from its absolute maximum over
+  `axes` (None: the whole array), back in float64."""
+  x32 = x.astype(np.float32)
+  largest = np.float32(ml_dtypes.finfo(dtype).max)
+  amax = np.max(np.abs(x32), axis=axes, keepdims=True)
+  scale = np.where(amax > 0, amax / largest, np.float32(1)).astype(np.float32)
+  q = np.clip(x32 / scale, -largest, largest).astype(dtype)
+  return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def reference_gemm(equation: str, a, a_dtype, b, b_dtype, rowwise: bool) -> np.ndarray:
+  """One GEMM of the recipe in float64: each operand quantized per slice
+  along the dimensions it keeps (rowwise: scales over the contracted ones)."""
+  inputs, out = equation.split("->")
+  a_dims, b_dims = inputs.split(",")
+  contracted = (set(a_dims) & set(b_dims)) - set(out)
+
+  def axes(dims):
+    return tuple(i for i, d in enumerate(dims) if d in contracted) if rowwise else None
+  return np.einsum(equation, dequantized(a, a_dtype, axes(a_dims)),
+                   dequantized(b, b_dtype, axes(b_dims)))
+
+
+# (equation, x shape, w shape): the MLP's, the fused gate/up, the attention's
+# output (two contracted dimensions); sizes that no block or power of two divides.
+MATMULS = [("bld,df->blf", (2, 5, 12), (12, 7)),
+           ("bld,cdf->cblf", (3, 4, 9), (2, 9, 6)),
+           ("blnh,nhd->bld", (2, 3, 4, 5), (4, 5, 11))]
+
+
+@pytest.mark.parametrize("recipe", sorted(float8.RECIPES))
+@pytest.mark.parametrize("equation, x_shape, w_shape", MATMULS, ids=[m[0] for m in MATMULS])
+def test_the_float8_matmul_and_its_gradients_equal_the_recipe_written_in_numpy(
+    recipe, equation, x_shape, w_shape):
+  """Forward, input gradient and weight gradient each equal the float64 GEMM
+  of operands quantized as the recipe says, to float32 accumulation; with an
+  all-zero row of x and an all-zero output column of w (scale 1); and they
+  are float8's, not the exact product's."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=x_shape).astype(np.float32) * 3
+  w = rng.normal(size=w_shape).astype(np.float32) / 2
+  x[0, 0] = 0  # a row of x that is all zeros
+  w[..., 0] = 0  # a column of w (an output feature) that is all zeros
+  inputs, out = equation.split("->")
+  x_dims, w_dims = inputs.split(",")
+  y, vjp = jax.vjp(lambda x, w: float8.einsum(equation, x, w, recipe), x, w)
+  g = rng.normal(size=y.shape).astype(np.float32)
+  g_x, g_w = vjp(g)
+  fwd, grad = FORMATS[recipe]
+  rowwise = recipe == "rowwise"
+  want = {"forward": reference_gemm(equation, x, fwd, w, fwd, rowwise),
+          "input gradient": reference_gemm(f"{out},{w_dims}->{x_dims}", g, grad, w, fwd, rowwise),
+          "weight gradient": reference_gemm(f"{x_dims},{out}->{w_dims}", x, fwd, g, grad, rowwise)}
+  exact = {"forward": np.einsum(equation, x, w), "input gradient": np.einsum(
+      f"{out},{w_dims}->{x_dims}", g, w), "weight gradient": np.einsum(
+          f"{x_dims},{out}->{w_dims}", x, g)}
+  for name, got in (("forward", y), ("input gradient", g_x), ("weight gradient", g_w)):
+    scale = np.abs(want[name]).max()
+    np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6 * scale, err_msg=name)
+    assert np.abs(exact[name] - want[name]).max() > 1e-3 * scale, name  # it is quantized
+
+
+# Float8 of a sharded run against float8 on one device: one SGD step, whose
+# update is the gradient. The scales are maxima, exact in any reduction order
+# (and taken over the whole batch: `jnp.max` of a sharded array), and both
+# quantize the same microbatches, so the two differ only where a float32
+# value, summed in another order, lands on the other side of a float8
+# rounding boundary: that element moves by one float8 step, rarely. Measured:
+# the update within 6e-4 of its norm, where float8 itself moves it by 0.19 of
+# it (against float32). Over more steps the flips compound (3 steps: 7e-2),
+# so one step is what tells a wrong scale from rounding.
+SGD = {"optimizer.name": "sgd", "optimizer.learning_rate": 0.5, "optimizer.warmup_steps": 0,
+       "optimizer.weight_decay": 0.0, "optimizer.clip_norm": 0.0}
+COMPOSITIONS = {
+    "rowwise fsdp=2 x tensor=2 x data=2 Megatron-SP": {
+        "float8": "rowwise", "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 2,
+        "tensor_sequence_parallel": True},
+    "tensorwise zero3 data=4 x sequence=2 ring, accumulate 2, remat full": {
+        "float8": "tensorwise", "zero_stage": 3, "mesh.data": 4, "mesh.sequence": 2,
+        "attention.sequence_strategy": "ring", "grad_accum_steps": 2, "remat": "full"},
+    "tensorwise tensor=2 x sequence=2 ulysses x fsdp=2, remat selective": {
+        "float8": "tensorwise", "mesh.tensor": 2, "mesh.sequence": 2, "mesh.fsdp": 2,
+        "mesh.data": 1, "attention.sequence_strategy": "ulysses", "remat": "selective"},
+}
+
+
+def updates(initial, final) -> np.ndarray:
+  return np.concatenate([np.ravel(b - a) for a, b in zip(jax.tree.leaves(initial),
+                                                          jax.tree.leaves(final))])
+
+
+@pytest.mark.parametrize("case", tiered(COMPOSITIONS, quick=[
+    "rowwise fsdp=2 x tensor=2 x data=2 Megatron-SP"]))
+def test_float8_on_a_mesh_equals_float8_on_one_device(case):
+  changes = {**SGD, **COMPOSITIONS[case]}
+  cfg = micro_config(**changes)
+  batches = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
+  _, (initial, _), losses, params = meshtrain_run(cfg, batches)
+  one = {k: v for k, v in changes.items() if not k.startswith("mesh.")}
+  runs = {recipe: meshtrain_run(micro_config(**{**one, "float8": recipe, "mesh.data": 1}),
+                                batches, devices=jax.devices()[:1])
+          for recipe in (cfg.float8, "none")}
+  np.testing.assert_allclose(losses, runs[cfg.float8][2], rtol=1e-5)
+  one_update = updates(initial, runs[cfg.float8][3])
+  error = np.linalg.norm(updates(initial, params) - one_update) / np.linalg.norm(one_update)
+  float8_effect = (np.linalg.norm(updates(initial, runs["none"][3]) - one_update)
+                   / np.linalg.norm(one_update))
+  assert error < 2e-3 and float8_effect > 50 * error, (error, float8_effect)
+
+
+@pytest.mark.parametrize("changes, unbuilt", [
+    ({"model.moe.num_experts": 4, "model.moe.experts_per_token": 2}, "experts' grouped GEMMs"),
+    ({"model.mla.kv_lora_rank": 16, "model.mla.rope_head_dim": 4}, "Latent Attention"),
+    ({"mesh.pipeline": 2, "mesh.data": 4}, "pipeline's stages"),
+])
+def test_what_float8_does_not_run_yet_is_refused_in_one_line(changes, unbuilt):
+  with pytest.raises(ConfigError, match=rf"^config\.float8: tensorwise: .*{unbuilt}"):
+    build(micro_config(float8="tensorwise", **changes))
