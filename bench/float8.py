@@ -49,14 +49,22 @@ def config(steps: int, workdir: str, recipe: str):
 
 
 def draw(rows, path):
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for row in rows:
-    losses = np.convolve(row["losses"], np.ones(WINDOW) / WINDOW, mode="valid")
-    ax.plot(np.arange(WINDOW, len(row["losses"]) + 1), losses, label=row["run"])
-  ax.set_xlabel("step (32 x 64 tokens each)")
-  ax.set_ylabel(f"training loss ({WINDOW}-step mean)")
-  ax.set_title("0.1M-parameter Llama on shakespeare, fsdp=8 (simulated CPU devices)")
-  ax.legend()
+  fig, (curve_ax, gap_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  steps = np.arange(WINDOW, len(rows[0]["losses"]) + 1)
+  smooth = {row["run"]: np.convolve(row["losses"], np.ones(WINDOW) / WINDOW, mode="valid")
+            for row in rows}
+  base = smooth[rows[0]["run"]]
+  for run, losses in smooth.items():
+    curve_ax.plot(steps, losses, label=run)
+    gap_ax.plot(steps, 100 * (losses / base - 1), label=run)
+  curve_ax.set_xlabel("step (32 x 64 tokens each)")
+  curve_ax.set_ylabel(f"training loss ({WINDOW}-step mean)")
+  curve_ax.legend()
+  gap_ax.axhline(2, color="grey", linestyle=":", label="the issue's bound (2%)")
+  gap_ax.set_xlabel("step")
+  gap_ax.set_ylabel("loss against bfloat16's (%)")
+  gap_ax.legend()
+  fig.suptitle("0.1M-parameter Llama on shakespeare, fsdp=8 (simulated CPU devices)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
