@@ -105,6 +105,12 @@ COMPOSITIONS = {
     "tensorwise tensor=2 x sequence=2 ulysses x fsdp=2, remat selective": {
         "float8": "tensorwise", "mesh.tensor": 2, "mesh.sequence": 2, "mesh.fsdp": 2,
         "mesh.data": 1, "attention.sequence_strategy": "ulysses", "remat": "selective"},
+    "tensorwise pipeline=2 zb_h1 x data=2 x sequence=2 all_gather_kv": {
+        "float8": "tensorwise", "mesh.pipeline": 2, "mesh.data": 2, "mesh.sequence": 2,
+        "pipeline.schedule": "zb_h1", "pipeline.microbatches": 2},
+    "rowwise pipeline=2 1f1b x tensor=2 x data=2": {
+        "float8": "rowwise", "mesh.pipeline": 2, "mesh.tensor": 2, "mesh.data": 2,
+        "pipeline.microbatches": 2},
 }
 
 
@@ -120,7 +126,9 @@ def test_float8_on_a_mesh_equals_float8_on_one_device(case):
   cfg = micro_config(**changes)
   batches = random_batches(1, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
   _, (initial, _), losses, params = meshtrain_run(cfg, batches)
-  one = {k: v for k, v in changes.items() if not k.startswith("mesh.")}
+  one = {k: v for k, v in changes.items() if not k.startswith(("mesh.", "pipeline."))}
+  # a pipeline's microbatches quantize alone: one device accumulates them
+  one["grad_accum_steps"] = changes.get("pipeline.microbatches", cfg.grad_accum_steps)
   runs = {recipe: meshtrain_run(micro_config(**{**one, "float8": recipe, "mesh.data": 1}),
                                 batches, devices=jax.devices()[:1])
           for recipe in (cfg.float8, "none")}
@@ -135,7 +143,7 @@ def test_float8_on_a_mesh_equals_float8_on_one_device(case):
 @pytest.mark.parametrize("changes, unbuilt", [
     ({"model.moe.num_experts": 4, "model.moe.experts_per_token": 2}, "experts' grouped GEMMs"),
     ({"model.mla.kv_lora_rank": 16, "model.mla.rope_head_dim": 4}, "Latent Attention"),
-    ({"mesh.pipeline": 2, "mesh.data": 4}, "pipeline's stages"),
+    ({"mesh.pipeline": 2, "mesh.data": 4, "local_sgd.inner_steps": 2}, "local SGD's replicas"),
 ])
 def test_what_float8_does_not_run_yet_is_refused_in_one_line(changes, unbuilt):
   with pytest.raises(ConfigError, match=rf"^config\.float8: tensorwise: .*{unbuilt}"):

@@ -27,8 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# The equations' batch and length letters (the model's shape suffixes), and
+# the mesh axes that split them.
+TOKEN_DIMS, TOKEN_AXES = frozenset("bl"), ("data", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +48,22 @@ RECIPES = {"tensorwise": Recipe(per_slice=False, gradient=E5M2),
 CHOICES = ("none", *RECIPES)
 
 
-def quantize(x: jax.Array, dtype, axes: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype, axes: tuple[int, ...] | None,
+             over_tokens: bool = False) -> tuple[jax.Array, jax.Array]:
   """`x` in float8 `dtype` and its float32 scale (x ~ q * scale), the absolute
-  maximum taken over `axes` (kept as size-1 dimensions; None: all of x)."""
+  maximum taken over `axes` (kept as size-1 dimensions; None: all of x);
+  `over_tokens`: they include token dimensions, whose share here is this
+  device's where a shard_map makes `data` or `sequence` manual (the
+  pipeline's stages), so the maximum is taken over those axes too: the
+  batch's, as outside one."""
   x32 = x.astype(jnp.float32)
   largest = float(jnp.finfo(dtype).max)
   amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = tuple(a for a in TOKEN_AXES if over_tokens and not mesh.empty
+                 and a in mesh.manual_axes and mesh.shape[a] > 1)
+  if manual:
+    amax = lax.pmax(amax, manual)
   scale = jnp.where(amax > 0, amax / largest, 1.0)
   return jnp.clip(x32 / scale, -largest, largest).astype(dtype), scale
 
@@ -65,8 +79,11 @@ def scaled_einsum(equation: str, a: jax.Array, a_dtype, b: jax.Array, b_dtype, p
 
   def axes(dims: str) -> tuple[int, ...] | None:
     return tuple(i for i, d in enumerate(dims) if d in contracted) if per_slice else None
-  qa, a_scale = quantize(a, a_dtype, axes(a_dims))
-  qb, b_scale = quantize(b, b_dtype, axes(b_dims))
+
+  def over_tokens(dims: str) -> bool:
+    return bool(TOKEN_DIMS & (contracted if per_slice else set(dims)))
+  qa, a_scale = quantize(a, a_dtype, axes(a_dims), over_tokens(a_dims))
+  qb, b_scale = quantize(b, b_dtype, axes(b_dims), over_tokens(b_dims))
   product = jnp.einsum(equation, qa, qb, preferred_element_type=jnp.float32)
   # The scales as the output's broadcast: outer products of the slices' scales
   # (their contracted dimensions have size 1), or one number.

@@ -97,9 +97,10 @@ def _check_float8(cfg, mesh: Mesh) -> None:
   if cfg.float8 == "none":
     return
   for why, unbuilt in (
-      # its stages' shard_map makes `data` and `sequence` manual: each replica's
-      # maxima would be its own, not the batch's
-      ("the pipeline's stages (config.mesh.pipeline)", mesh.shape["pipeline"] > 1),
+      # the stages' shard_map makes local SGD's replica axis `data` manual, which
+      # float8 takes for an axis of the batch's tokens
+      ("local SGD's replicas in the pipeline (config.local_sgd.inner_steps)",
+       mesh.shape["pipeline"] > 1 and cfg.local_sgd.inner_steps),
       ("the experts' grouped GEMMs (config.model.moe.num_experts)", cfg.model.moe.num_experts),
       ("Multi-head Latent Attention's projections (config.model.mla.kv_lora_rank)",
        cfg.model.mla.kv_lora_rank)):
