@@ -403,6 +403,29 @@ def test_mt_nlgs_three_step_times_put_two_sequences_in_a_microbatch():
   assert all(run.microbatches * 2 == run.global_batch / run.mesh["data"] for run in runs)
 
 
+def test_float8_runs_the_projections_at_the_float8_peak_where_the_cluster_has_one():
+  """Under `config.float8` the projections' FLOPs (6 a weight of them a
+  token, counted here from the widths) run at the H100's 1,979 TFLOP/s and
+  the rest of a token's FLOPs at its 989; an A100, without float8 GEMMs,
+  computes as in bfloat16."""
+  cfg = micro_config(**{"model.num_layers": 4})
+  m = cfg.model
+  projections = m.num_layers * (m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+                                + 3 * m.embed_dim * m.mlp_dim)
+  c = search.Candidate((("data", 8), ("pipeline", 1), ("fsdp", 1), ("sequence", 1),
+                        ("tensor", 1)))
+  for name, expected in (("h100", None), ("a100_80gb", 1.0)):
+    cluster = clusters.PRESETS[name]
+    bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 4, "float8": recipe}),
+                                  cluster) for recipe in ("none", "tensorwise"))
+    share = 6 * projections / bf16.flops_per_token
+    ratio = expected or (1 - share) + share * cluster.peak_flops / cluster.float8_flops
+    flops_s = lambda model: model.chunk_work(c, c.config(model.cfg))[0, 0] - model.memory_bound_s(
+        c, c.config(model.cfg))
+    assert flops_s(fp8) / flops_s(bf16) == pytest.approx(ratio)
+    assert 0.5 < ratio <= 1.0
+
+
 def test_a_pipeline_chunk_works_for_its_layers_and_the_last_for_the_head():
   """5 layers as 2 + 3 on 2 stages of 4 devices each: the 3-layer chunk
   does 1.5 times the 2-layer one's layers, plus the head's matmuls: 6 x

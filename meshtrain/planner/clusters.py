@@ -27,6 +27,7 @@ class Cluster:
   usable_memory: float = 0.9  # share of HBM a step may plan for (allocator, runtime, fragmentation)
   flash_attention: bool = True  # attention keeps no [length, length] scores (cuDNN's on NVIDIA GPUs)
   memory_bandwidth: float = 0.0  # HBM bytes/s of one device (0: matmuls never memory-bound)
+  float8_flops: float = 0.0  # dense float8 FLOP/s of one device (0: no float8 GEMMs: bf16's)
 
 
 PRESETS = {
@@ -34,11 +35,14 @@ PRESETS = {
     # 4.8 TB/s, A100 80GB SXM 2,039 GB/s, B200 8 TB/s, TPU v5p 2,765 GB/s.
     # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4
     # 900 GB/s bidirectional (450 per direction); DGX H100: 8 GPUs and 8
-    # ConnectX-7 400 Gb/s NICs (50 GB/s per GPU).
-    "h100": Cluster("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB),
+    # ConnectX-7 400 Gb/s NICs (50 GB/s per GPU). Dense FP8: 1,979 TFLOP/s
+    # (the same datasheet, for the H200 and the H800 too).
+    "h100": Cluster("h100", 989e12, 80 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB,
+                    float8_flops=1979e12),
     # NVIDIA H200 SXM datasheet: same compute and NVLink as the H100, 141 GB
     # HBM3e; HGX H200 with one 400 Gb/s NIC per GPU.
-    "h200": Cluster("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=4800 * GB),
+    "h200": Cluster("h200", 989e12, 141 * GB, 450 * GB, 50 * GB, 8, memory_bandwidth=4800 * GB,
+                    float8_flops=1979e12),
     # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e, NVLink 3
     # 600 GB/s bidirectional; DGX A100 (Selene, Megatron-LM's runs): 8 GPUs
     # and 8 HDR 200 Gb/s NICs (25 GB/s per GPU).
@@ -47,7 +51,8 @@ PRESETS = {
     # NVIDIA H800 SXM5 (the H100 for export to China: the same compute and
     # HBM3, NVLink cut to 400 GB/s bidirectional); DeepSeek-V3's nodes (Liu et
     # al. 2024, Section 3.2): 8 GPUs and 8 InfiniBand 400 Gb/s NICs.
-    "h800": Cluster("h800", 989e12, 80 * GB, 200 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB),
+    "h800": Cluster("h800", 989e12, 80 * GB, 200 * GB, 50 * GB, 8, memory_bandwidth=3350 * GB,
+                    float8_flops=1979e12),
     # NVIDIA A100 datasheet, 40 GB SXM: 312 TFLOP/s, 1,555 GB/s HBM2; DGX A100
     # 40GB with 8 HDR 200 Gb/s NICs.
     "a100_40gb": Cluster("a100_40gb", 312e12, 40 * GB, 300 * GB, 25 * GB, 8,
@@ -55,7 +60,8 @@ PRESETS = {
     # NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 dense training over 8 GPUs, so
     # 4.5 FP8 and 2.25 PFLOP/s dense BF16 per GPU; 1,440 GB HBM3e (180 GB per
     # GPU); NVLink 5 1.8 TB/s bidirectional; 8 ConnectX-7 400 Gb/s NICs.
-    "b200": Cluster("b200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8, memory_bandwidth=8000 * GB),
+    "b200": Cluster("b200", 2.25e15, 180 * GB, 900 * GB, 50 * GB, 8, memory_bandwidth=8000 * GB,
+                    float8_flops=4.5e15),
     # Google Cloud TPU v5p documentation: 459 TFLOP/s BF16, 95 GB HBM2e, ICI
     # 4,800 Gbps per chip over 6 links of a 3D torus (100 GB/s per link and
     # direction; a ring along one torus axis uses 2 links), 4 chips per host.

@@ -385,6 +385,7 @@ class StepModel:
     self.attention_forward = flops.attention_per_token(
         dataclasses.replace(self.model_cfg, mtp_layers=0), cfg.seq_len)  # the layers'
     self.layer_forward = 2 * layer_params + self.attention_forward
+    self.peak_flops = self._peak_flops(cfg, cluster, 6 * layer_params)
     # The head's matmul a token, forward and backward, and the multi-token
     # prediction modules', and that in layers (of the model's average one):
     # the last pipeline chunk's work beyond its own.
@@ -397,6 +398,17 @@ class StepModel:
     self.activations = _ActivationModel.shared(cfg, self.flash)
     self._reports: dict[Candidate, dict] = {}
     self._layouts: dict[tuple, list] = {}
+
+  def _peak_flops(self, cfg, cluster: Cluster, projection_flops: float) -> float:
+    """The FLOP/s a device runs the step's matmuls at: the bfloat16 peak, or
+    under `config.float8` (on a cluster with float8 GEMMs) the projections'
+    share of a token's FLOPs (`projection_flops` of `flops_per_token`, its
+    forward and backward; a recomputed forward has the same mix) at the
+    float8 peak and the rest (attention's scores, the head) at bfloat16's."""
+    if cfg.float8 == "none" or not cluster.float8_flops:
+      return cluster.peak_flops
+    share = projection_flops / self.flops_per_token
+    return 1 / ((1 - share) / cluster.peak_flops + share / cluster.float8_flops)
 
   def expert_split(self, c: Candidate) -> int:
     """The devices that split the routed experts (`config.expert_parallel`;
@@ -501,11 +513,11 @@ class StepModel:
     devices alike without a pipeline ([1, 1]). With one, each chunk's layers
     (`plan.chunk_layers`: `config.pipeline.stage_layers`, and an MoE model's
     leading dense layers on the first chunk) and on the last chunk the
-    head's matmuls."""
-    sizes, cluster = c.sizes, self.cluster
+    head's matmuls; the matmuls at `peak_flops` (float8's share at its peak)."""
+    sizes = c.sizes
     per_token = self.flops_per_token + self.recompute_per_token(c)
     flops_s = (cfg.global_batch * cfg.seq_len * per_token / math.prod(sizes.values())
-               / (cluster.peak_flops * self.efficiency))
+               / (self.peak_flops * self.efficiency))
     memory_s = self.memory_bound_s(c, cfg)
     stages = sizes["pipeline"]
     if stages == 1:
