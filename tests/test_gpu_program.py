@@ -19,7 +19,7 @@ from conftest import REPO, micro_config
 from meshtrain import gpu_targets, quiet_cuda, validate
 from meshtrain.analysis import gpu_program, hlo
 from meshtrain.errors import ConfigError
-from meshtrain.planner.plan import compile_step, measured_on_target, plan
+from meshtrain.planner.plan import analytic, compile_step, llama_spec, measured_on_target, plan
 from meshtrain.train import parallelize, xla_options
 from meshtrain.train.setup import build
 
@@ -216,9 +216,26 @@ def test_float8_runs_every_projection_gemm_in_float8_and_only_the_head_in_bfloat
   gate/up, down) of each layer has its forward, input-gradient and
   weight-gradient GEMM with float8 operands (XLA makes them Triton GEMM
   fusions; docs/float8.md), tensorwise's backward with e5m2 gradients; the
-  one bfloat16 GEMM left is the head's, forward and backward."""
-  _, _, bfloat16 = program("h100:1x8", **{"mesh.fsdp": 8})
-  setup, _, kernels = program("h100:1x8", **{"mesh.fsdp": 8, "float8": recipe})
+  one bfloat16 GEMM left is the head's, forward and backward. The layers'
+  weights are all-gathered over fsdp in float8, quantized on their shards:
+  half the bytes of the bfloat16 program's gathers in the layers' loops
+  (rowwise's column scales besides)."""
+  _, bfloat16_collectives, bfloat16 = program("h100:1x8", **{"mesh.fsdp": 8})
+  setup, collectives, kernels = program("h100:1x8", **{"mesh.fsdp": 8, "float8": recipe})
+
+  def layer_gathers(scheduled) -> int:
+    return sum(c.op.bytes for c in scheduled if c.op.kind == "all-gather" and c.op.in_loop)
+  assert 0.5 <= layer_gathers(collectives) / layer_gathers(bfloat16_collectives) < 0.51
+
+  def gathers(setup, scheduled) -> tuple[int, int]:  # (planned, compiled) all-gather bytes
+    run = setup.run
+    planned = analytic(run.cfg, llama_spec(run.model), run.rules, run.mesh, activations=0)
+    return (sum(c["bytes"] for c in planned["collectives"] if c["kind"] == "all-gather"),
+            sum(c.op.bytes for c in scheduled if c.op.kind == "all-gather"))
+  (planned, compiled), (planned_bf16, compiled_bf16) = (
+      gathers(setup, collectives), gathers(program("h100:1x8", **{"mesh.fsdp": 8})[0],
+                                             bfloat16_collectives))
+  assert planned_bf16 - planned == pytest.approx(compiled_bf16 - compiled, rel=0.01)  # plan counts it
   projections = 3 * 4 * setup.cfg.model.num_layers
   gemms = [k for k in kernels if k["kernel"] != gpu_program.FLASH_ATTENTION]
   float8_gemms = sum(k["count"] for k in gemms if "f8" in k["operands"])

@@ -134,7 +134,8 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   for leaf in layouts if collectives else ():
     p_axes, g_axes, o_axes, gathered = leaf.params, leaf.grads, leaf.optimizer, leaf.gathered
     comm.add("all-gather", o_axes - p_axes, param_bytes * leaf.working)
-    comm.add("all-gather", p_axes & gathered, param_bytes * leaf.compute / leaf.layers,
+    comm.add("all-gather", p_axes & gathered,
+             _gathered_bytes(leaf.names, cfg, param_bytes) * leaf.compute / leaf.layers,
              _gathers(leaf.names, cfg, pipelined and "fsdp" in p_axes & gathered))
     # Inside a pipeline a layer's gradients split over `fsdp` (automatic
     # there) are reduce-scattered in every microbatch's W.
@@ -171,6 +172,14 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
   if activations is None and cfg.remat == "offload":
     memory["host_activations"] = activation_bytes(cfg, mesh, rules, on_host=True)
   return {"memory_bytes": {k: int(v) for k, v in memory.items()}, **report}
+
+
+def _gathered_bytes(names: tuple, cfg, param_bytes: int) -> int:
+  """Bytes an element of a weight is all-gathered in: a layer's projection
+  under `config.float8` in float8, quantized on its shard before the gather
+  (where XLA puts the quantization: docs/float8.md), else the working dtype."""
+  projection = names[0] == r.LAYERS and r.EMBED in names and len(names) > 2
+  return 1 if projection and cfg.float8 != "none" else param_bytes
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
