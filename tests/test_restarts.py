@@ -161,7 +161,8 @@ def test_a_job_outlives_a_killed_and_a_stopped_process_bit_for_bit(tmp_path, str
   lines = [line for line in re.split(r"[\r\n]", chaos.stderr) if line.startswith(("launch:", "error:"))]
   assert len(lines) == 3, lines
   assert re.fullmatch(r"launch: process 1 was killed by SIGKILL; stopped the others; restart 1 of "
-                      r"2 from (checkpoint 3|the start), losing steps? .*", lines[0]), lines
+                      r"2 from (checkpoint 3|the start), losing (no logged step|steps? .*)",
+                      lines[0]), lines  # what the kill found logged is the machine's timing
   assert re.fullmatch(r"error: distributed: process 1 lost at step 8 \(no heartbeat for 1\d s, "
                       r"its last at its step [67]\); newest complete checkpoint: [36]", lines[1]), lines
   assert lines[2].startswith("launch: process 0 exited with code 4 (a lost peer or a hang, its "

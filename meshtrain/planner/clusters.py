@@ -107,8 +107,9 @@ def _field_problem(name: str, value) -> str | None:
     return f"{name} is {value!r}; give a finite number"
   if name == "usable_memory" and not 0 < value <= 1:
     return f"usable_memory is {value!r}; give a share of the memory in (0, 1]"
-  if name == "memory_bandwidth" and value < 0:
-    return f"memory_bandwidth is {value!r}; give 0 (never memory-bound) or more"
-  if name != "memory_bandwidth" and value <= 0:
+  optional = {"memory_bandwidth": "never memory-bound", "float8_flops": "no float8 GEMMs"}
+  if name in optional and value < 0:
+    return f"{name} is {value!r}; give 0 ({optional[name]}) or more"
+  if name not in optional and value <= 0:
     return f"{name} is {value!r}; give a value above 0"
   return None
