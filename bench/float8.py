@@ -24,35 +24,20 @@ import numpy as np  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from meshtrain.config import get_config  # noqa: E402
 from meshtrain.train.loop import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from report import write_section  # noqa: E402
+from shakespeare import WINDOW, config, final_loss, smoothed  # noqa: E402
 
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 RUNS = {"bfloat16": "none", "float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise"}
-WINDOW = 20  # steps averaged for the final loss
-
-
-def config(steps: int, workdir: str, recipe: str):
-  cfg = get_config()
-  cfg.update(steps=steps, workdir=workdir, global_batch=32, seq_len=64, log_every=1,
-             compute_dtype="bfloat16", param_dtype="bfloat16", float8=recipe)
-  cfg.model.update(embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   mlp_dim=192)  # 0.1M parameters: a run is minutes on a shared 2-core CPU
-  cfg.mesh.update(data=1, fsdp=8)
-  cfg.data.update(source="text", path=str(SHAKESPEARE))
-  cfg.checkpoint.every_steps = 0
-  return cfg
 
 
 def draw(rows, path):
   fig, (curve_ax, gap_ax) = plt.subplots(1, 2, figsize=(11, 4))
   steps = np.arange(WINDOW, len(rows[0]["losses"]) + 1)
-  smooth = {row["run"]: np.convolve(row["losses"], np.ones(WINDOW) / WINDOW, mode="valid")
-            for row in rows}
+  smooth = {row["run"]: smoothed(row["losses"]) for row in rows}
   base = smooth[rows[0]["run"]]
   for run, losses in smooth.items():
     curve_ax.plot(steps, losses, label=run)
@@ -77,10 +62,11 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for name, recipe in RUNS.items():
       print(f"training {name}", flush=True)
-      records = train(config(args.steps, f"{tmp}/{len(rows)}", recipe))
+      records = train(config(args.steps, f"{tmp}/{len(rows)}", {"fsdp": 8}, {
+          "compute_dtype": "bfloat16", "param_dtype": "bfloat16", "float8": recipe}))
       speeds = [r["tokens_per_sec"] for r in records[len(records) // 2:] if r["tokens_per_sec"]]
-      rows.append({"run": name, "losses": [r["loss"] for r in records],
-                   "final_loss": float(np.mean([r["loss"] for r in records][-WINDOW:])),
+      losses = [r["loss"] for r in records]
+      rows.append({"run": name, "losses": losses, "final_loss": final_loss(losses),
                    "tokens_per_sec": float(np.median(speeds))})
   base = rows[0]
   table = ["| run | final loss | vs bfloat16 | tokens/s on this CPU | vs bfloat16 |",

@@ -30,7 +30,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshtrain.analysis import hlo  # noqa: E402
-from meshtrain.config import get_config  # noqa: E402
 from meshtrain.planner.plan import compile_step, plan  # noqa: E402
 from meshtrain.train.loop import train  # noqa: E402
 from meshtrain.train.setup import build  # noqa: E402
@@ -38,8 +37,8 @@ from meshtrain.train.setup import build  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from report import write_section  # noqa: E402
+from shakespeare import WINDOW, config, final_loss, smoothed  # noqa: E402
 
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 DILOCO = {"local_sgd.outer_optimizer": "nesterov", "local_sgd.outer_learning_rate": 0.7,
           "local_sgd.outer_momentum": 0.9}
 RUNS = {
@@ -50,21 +49,6 @@ RUNS = {
     "averaging H=1": {"local_sgd.inner_steps": 1, "local_sgd.outer_optimizer": "sgd",
                       "local_sgd.outer_learning_rate": 1.0},
 }
-WINDOW = 20  # steps averaged for the final loss
-
-
-def config(steps: int, workdir: str, changes: dict):
-  cfg = get_config()
-  cfg.update(steps=steps, workdir=workdir, global_batch=32, seq_len=64, log_every=1)
-  cfg.model.update(embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   mlp_dim=192)  # 0.1M parameters: a run is minutes on a shared 2-core CPU
-  cfg.mesh.data = 8
-  cfg.data.update(source="text", path=str(SHAKESPEARE))
-  cfg.checkpoint.every_steps = 0
-  for key, value in changes.items():
-    section, name = key.split(".")
-    cfg[section][name] = value
-  return cfg
 
 
 def data_bytes(setup) -> float:
@@ -88,7 +72,7 @@ def analytic_bytes(cfg) -> float:
 def draw(rows, path):
   fig, (curve_ax, cost_ax) = plt.subplots(1, 2, figsize=(11, 4))
   for row in rows:
-    losses = np.convolve(row["losses"], np.ones(WINDOW) / WINDOW, mode="valid")
+    losses = smoothed(row["losses"])
     tokens = np.arange(WINDOW, len(row["losses"]) + 1) * row["tokens_per_step"]
     curve_ax.plot(tokens / 1e6, losses, label=row["run"])
   curve_ax.set_xlabel("tokens (millions), equal for every run")
@@ -118,9 +102,9 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for name, changes in RUNS.items():
       print(f"training {name}", flush=True)
-      cfg = config(args.steps, f"{tmp}/{len(rows)}", changes)
+      cfg = config(args.steps, f"{tmp}/{len(rows)}", {"data": 8}, changes)
       losses = [r["loss"] for r in train(cfg)]
-      rows.append({"run": name, "losses": losses, "final_loss": float(np.mean(losses[-WINDOW:])),
+      rows.append({"run": name, "losses": losses, "final_loss": final_loss(losses),
                    "tokens_per_step": cfg.global_batch * cfg.seq_len,
                    "compiled_mib_per_step": data_bytes(build(cfg)) / 2**20,
                    "analytic_mib_per_step": analytic_bytes(cfg) / 2**20})

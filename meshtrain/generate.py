@@ -28,11 +28,10 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from meshtrain import rules as r
-from meshtrain import workdir as saved_run
 from meshtrain.data import tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.models.llama import LatentAttention, Llama
-from meshtrain.train.relayout import read_saved
+from meshtrain.train.relayout import read_weights
 from meshtrain.train.setup import Setup
 
 CACHE_NAMES = (r.LAYERS, r.BATCH, None, r.ACT_KV_HEADS, r.HEAD_DIM)  # [layer, B, T, K, H]
@@ -265,8 +264,5 @@ def prompt_ids(tokenizer: tokenizers.Tokenizer, texts: list[str],
 def from_workdir(workdir, step: int, setup: Setup, eos_id: int | None) -> Generator:
   """A generator with the weights of checkpoint `step` of `workdir` on `setup`'s mesh."""
   shardings = r.tree_shardings(setup.spec.names, setup.mesh, setup.rules.params)
-  params = read_saved(saved_run.load_params, workdir, step, setup.cfg,
-                      setup.spec.abstract_params, shardings)
-  model_state = read_saved(saved_run.load_model_state, workdir, step, setup.cfg,
-                           setup.abstract_state().model_state, setup.shardings.model_state)
+  params, model_state = read_weights(workdir, step, setup, shardings)
   return Generator(setup.spec.graphdef, params, setup.mesh, setup.rules, eos_id, model_state)

@@ -29,10 +29,10 @@ from meshtrain import distributed, rules
 from meshtrain.data import SOURCES, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES, axis_sizes, host_split
-from meshtrain.models import mla, moe, rope
-from meshtrain.parallel import attention, float8, sequence
+from meshtrain.models import moe, rope
+from meshtrain.parallel import float8, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
-from meshtrain.train import local_sgd, mesh_checks, optimizer, parallelize, precision
+from meshtrain.train import local_sgd, mesh_checks, optimizer, precision
 from meshtrain.train.run import resolve
 
 Rule = Callable[[Any], str | None]  # a value -> what is wrong with it, or None
@@ -331,44 +331,20 @@ def _check_ignored(cfg, values, defaults, sizes) -> None:
 
 
 def check_devices(cfg, num_devices: int, platform: str | None = None) -> None:
-  """The cross-key checks for `num_devices` devices, through the deep code's own
-  check functions; with `platform` (the devices the run will use), also what
-  those devices cannot run."""
+  """The cross-key checks for `num_devices` devices: the keys `IGNORED` on
+  that mesh, the hosts' split, then the run's resolution on an abstract mesh
+  of its sizes (`meshtrain.train.run.resolve`: every check of the config
+  against the mesh); with `platform` (the devices the run will use), first
+  whether cuDNN's attention runs on them."""
   sizes = axis_sizes(cfg.mesh, num_devices)
   _check_ignored(cfg, _leaves(cfg), config_keys(), sizes)
   across = [a.strip() for a in cfg.mesh.across_hosts.split(",") if a.strip()]
   host_split(sizes, across, max(cfg.distributed.num_processes, 1))
+  if cfg.attention.implementation == "cudnn" and platform not in (None, "gpu"):
+    raise ConfigError("config.attention.implementation", f"cudnn runs on NVIDIA GPUs, not on "
+                      f"these {platform} devices; use xla (or \"\" for the best available)")
   mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
   resolve(cfg, mesh)  # every check of the run's resolution that needs no devices
-  if sizes["sequence"] > 1:
-    try:
-      sequence.check_split(cfg.attention.sequence_strategy, cfg.model.num_heads, cfg.seq_len,
-                           sizes["sequence"])
-    except ValueError as error:
-      raise ConfigError("config.attention.sequence_strategy", str(error)) from None
-  _check_attention_kernel(cfg, platform)
-
-
-def _check_attention_kernel(cfg, platform: str | None) -> None:
-  """cuDNN's flash attention (jax.nn.dot_product_attention): NVIDIA GPUs, 16-bit
-  activations, head_dim a multiple of 8 up to 128."""
-  if cfg.attention.implementation != "cudnn":
-    return
-  key = "config.attention.implementation"
-  if platform is not None and platform != "gpu":
-    raise ConfigError(key, f"cudnn runs on NVIDIA GPUs, not on these {platform} devices; "
-                      "use xla (or \"\" for the best available)")
-  if cfg.compute_dtype == "float32":
-    raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
-                      "or use xla")
-  if cfg.mesh.pipeline > 1:
-    raise ConfigError(key, f"cudnn does not compile inside the pipeline in jax 0.10.2: "
-                      f"{parallelize.CUDNN_IN_PIPELINE}; use xla (or \"\", which picks it there)")
-  width = mla.widths(cfg.model)[2]
-  if not attention.flash_fits(width):
-    raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"
-                      f"{' (Multi-head Latent Attention)' if cfg.model.mla.kv_lora_rank else ''}; "
-                      "use xla")
 
 
 def check_workdir(cfg) -> None:

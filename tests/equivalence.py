@@ -30,7 +30,7 @@ def meshtrain_run(cfg, batches, with_metrics=False, devices=None):
   state = setup.init_state()
 
   def model_own(tree):
-    return jax.device_get(from_stage_slots(cfg, tree))
+    return jax.device_get(from_stage_slots(setup.run.layout, tree))
   initial, initial_model_state = model_own(state.params), model_own(state.model_state)
   logged = []
   for batch in batches:

@@ -31,7 +31,7 @@ from meshtrain.hf_import import import_hf
 from meshtrain.models.patterns import path_string
 from meshtrain.train.loop import train
 from meshtrain.train.parallelize import from_stage_slots
-from meshtrain.train.relayout import read_saved
+from meshtrain.train.relayout import read_weights
 from meshtrain.train.resume import start_state
 from meshtrain.train.setup import build
 
@@ -316,11 +316,10 @@ def test_uneven_stages_import_and_export_bit_for_bit(tmp_path):
                  {"mesh.data": 8, "mesh.pipeline": 1, "pipeline.stage_layers": ""}):
     cfg = saved_run.load_config(imported, layout)
     setup = build(cfg)
-    slotted = read_saved(saved_run.load_params, imported, 0, cfg, setup.spec.abstract_params,
-                         setup.shardings.params)
+    slotted = read_weights(imported, 0, setup)[0]
     if layout is uneven:  # slots [stage 0: layers 0, 1 | stage 1: layer 2, empty]
       assert not any(np.any(np.asarray(x)[3]) for x in jax.tree.leaves(slotted["layers"]))
-    params = from_stage_slots(cfg, slotted)
+    params = from_stage_slots(setup.run.layout, slotted)
     out = tmp_path / f"exported{cfg.pipeline.stage_layers}"
     export_hf(cfg, params, imported, out)
     got = safetensors.numpy.load_file(out / "model.safetensors")

@@ -160,6 +160,28 @@ def test_the_search_tries_each_sequence_strategy_meshtrain_runs():
   assert strategies[(True, True)] == {"all_gather_kv", "ulysses"}
 
 
+def test_the_search_keeps_only_candidates_the_runs_resolution_accepts():
+  """Beyond the mesh's own rules: float16 loss scaling runs outside a
+  pipeline alone, local SGD with ZeRO 0 alone; the search keeps neither
+  refused layout, and says why, and keeps others. (Ulysses over more
+  devices than heads is refused too: 4 heads on `sequence` = 8.)"""
+  for changes, refused, why in (
+      ({"param_dtype": "float16", "compute_dtype": "float16"},
+       lambda c: c.sizes["pipeline"] > 1, "float16 loss scaling is not wired into the pipeline"),
+      ({"local_sgd.inner_steps": 2, "steps": 4},
+       lambda c: c.zero_stage > 0, "local SGD keeps a whole model per `data` replica")):
+    cfg = micro_config(**changes)
+    tried = list(search.candidates(search.StepModel(cfg, clusters.PRESETS["h100"]), 8))
+    verdicts = [(refused(c), search.meshtrain_runs(cfg, c)) for c in tried]
+    assert all(verdict for out, verdict in verdicts if out), changes
+    assert any(why in verdict for out, verdict in verdicts if out), changes
+    assert not any(why in verdict for out, verdict in verdicts if not out), changes
+    assert any(not verdict for out, verdict in verdicts if not out), changes
+  ulysses = [c for c in tried if c.sequence_strategy == "ulysses" and c.sizes["sequence"] == 8]
+  assert ulysses and all("ulysses splits the 4 query heads" in search.meshtrain_runs(cfg, c)
+                         for c in ulysses)
+
+
 @pytest.mark.slow  # a whole search: 74 traces of Mixtral's layers, about 2 minutes of one core
 def test_an_moe_search_tries_every_expert_layout_meshtrain_runs():
   """Mixtral's 8 experts on 64 devices: each candidate keeps its experts

@@ -76,7 +76,7 @@ def test_a_checkpoint_resumes_on_other_layouts(tmp_path):
       got = [r["loss"] for r in train(cfg) if r["step"] > 2]
       np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
     setup = build(cfg)
-    final[name] = jax.device_get(from_stage_slots(cfg, load_params(
+    final[name] = jax.device_get(from_stage_slots(setup.run.layout, load_params(
         cfg.workdir, 4, setup.spec.abstract_params, setup.shardings.params)))
   for name in ("4,2", "none"):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-6),

@@ -3,12 +3,11 @@
 import jax
 from absl import flags, logging
 
-from meshtrain import workdir as saved_run
 from meshtrain.cli import common
 from meshtrain.errors import ConfigError
 from meshtrain.hf import exporter
 from meshtrain.train.parallelize import from_stage_slots
-from meshtrain.train.relayout import read_saved
+from meshtrain.train.relayout import read_weights
 from meshtrain.train.setup import build
 
 FLAGS = flags.FlagValues()
@@ -30,11 +29,8 @@ def main(argv: list[str]) -> None:
   cfg, step = RUN.joined()
   workdir = RUN.workdir.value
   setup = build(cfg)
-  params = from_stage_slots(cfg, read_saved(saved_run.load_params, workdir, step, cfg,
-                                            setup.spec.abstract_params, setup.shardings.params))
-  model_state = read_saved(saved_run.load_model_state, workdir, step, cfg,
-                           setup.abstract_state().model_state, setup.shardings.model_state)
-  model_state = None if model_state is None else from_stage_slots(cfg, model_state)
+  params, model_state = (None if tree is None else from_stage_slots(setup.run.layout, tree)
+                         for tree in read_weights(workdir, step, setup))
   files = exporter.export_hf(cfg, params, workdir, _TO.value, model_state=model_state,
                              dtype=_DTYPE.value, max_shard_bytes=_MAX_SHARD_MB.value * 2**20)
   if jax.process_index() == 0:

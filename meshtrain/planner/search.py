@@ -62,7 +62,7 @@ from meshtrain.parallel import attention, experts, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.planner.clusters import Cluster
-from meshtrain.train import mesh_checks
+from meshtrain.train import run as resolution
 from meshtrain.train.run import sharding_rules
 from meshtrain.train.state_memory import leaf_layouts, stacked_slots
 from meshtrain.train.parallelize import llama_spec, model_config, slots
@@ -692,9 +692,9 @@ class StepModel:
 
 def meshtrain_runs(cfg, c: Candidate, cfg_c=None) -> str:
   """'' if meshtrain runs the candidate (`cfg_c`: its config, if made
-  already), else why not (its validation's message)."""
+  already), else why not (the message of the run's resolution)."""
   try:
-    mesh_checks.check(cfg_c or c.config(cfg), _abstract_mesh(c.sizes))
+    resolution.check(cfg_c or c.config(cfg), _abstract_mesh(c.sizes))
   except ValueError as error:
     return str(error)
   return ""

@@ -27,9 +27,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.train import pipelined
 from meshtrain.train.loss import counted_tokens, with_loss_weights
 from meshtrain.train.microbatch import split_microbatches
-from meshtrain.train.relayout import read_saved
+from meshtrain.train.relayout import read_weights
 from meshtrain.train.setup import Setup, build
-from meshtrain.workdir import load_model_state, load_params
 
 
 class Evaluator:
@@ -110,8 +109,5 @@ def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
   """Evaluates the weights of checkpoint `step` in `workdir` on `cfg`'s mesh."""
   setup = build(cfg)
   evaluator = Evaluator(cfg, setup)
-  params = read_saved(load_params, workdir, step, cfg, setup.spec.abstract_params,
-                      setup.shardings.params)
-  model_state = read_saved(load_model_state, workdir, step, cfg,
-                           jax.eval_shape(setup.spec.init_model_state), setup.shardings.model_state)
+  params, model_state = read_weights(workdir, step, setup)
   return {"step": step, **evaluator(params, model_state)}

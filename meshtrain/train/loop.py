@@ -31,7 +31,7 @@ from meshtrain.train.watchdog import watchdog_for
 
 def model_params(setup: Setup):
   """The shapes of the model's own weights (without a pipeline's empty slots)."""
-  return from_stage_slots(setup.cfg, setup.spec.abstract_params)
+  return from_stage_slots(setup.run.layout, setup.spec.abstract_params)
 
 
 def describe(setup: Setup) -> str:

@@ -1,10 +1,11 @@
 """A config checked against a mesh before anything is built or compiled.
 
 `check` holds the rules that need the mesh's sizes (what each axis must
-divide, the experts' axes, the pipeline's microbatches), `check_machine` those
-that need this machine's devices (the experts' GPU-only paths); each failure
-is one `ConfigError` naming the key and the fix. `meshtrain.validate` runs
-`check` for every command, `setup.build` both.
+divide, the experts' axes, the pipeline's microbatches, the context-parallel
+split, cuDNN's attention), `check_machine` those that need this machine's
+devices (the experts' GPU-only paths); each failure is one `ConfigError`
+naming the key and the fix. `meshtrain.train.run.resolve` runs both (the
+second on real devices alone), for every command before it builds.
 """
 
 import math
@@ -14,8 +15,8 @@ from jax.sharding import Mesh
 from meshtrain import rules as r
 from meshtrain.data import PACKING
 from meshtrain.errors import ConfigError
-from meshtrain.models import moe as moe_lib
-from meshtrain.parallel import experts, float8, hopper_gemm, sequence
+from meshtrain.models import mla, moe as moe_lib
+from meshtrain.parallel import attention, experts, float8, hopper_gemm, sequence
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train import parallelize
@@ -86,10 +87,36 @@ def check(cfg, mesh: Mesh) -> None:
     raise ConfigError("config.attention.sequence_strategy", "the ring has no sliding window "
                       f"(config.model.sliding_window={m.sliding_window}); use all_gather_kv or "
                       "ulysses")
+  if mesh.shape["sequence"] > 1:
+    try:
+      sequence.check_split(cfg.attention.sequence_strategy, m.num_heads, cfg.seq_len,
+                           mesh.shape["sequence"])
+    except ValueError as error:
+      raise ConfigError("config.attention.sequence_strategy", str(error)) from None
+  if cfg.attention.implementation == "cudnn":
+    _check_cudnn(cfg, mesh)
   if m.mla.kv_lora_rank:
     _check_mla(cfg, weight_shards)
   if m.moe.num_experts:
     _check_moe(cfg, mesh)
+
+
+def _check_cudnn(cfg, mesh: Mesh) -> None:
+  """cuDNN's flash attention (jax.nn.dot_product_attention): 16-bit
+  activations, outside the pipeline, heads a multiple of 8 up to 128 wide
+  (that it runs on NVIDIA GPUs alone, jax says where it does not)."""
+  key = "config.attention.implementation"
+  if cfg.compute_dtype == "float32":
+    raise ConfigError(key, "cudnn needs 16-bit activations; set config.compute_dtype=bfloat16 "
+                      "or use xla")
+  if mesh.shape["pipeline"] > 1:
+    raise ConfigError(key, f"cudnn does not compile inside the pipeline in jax 0.10.2: "
+                      f"{parallelize.CUDNN_IN_PIPELINE}; use xla (or \"\", which picks it there)")
+  width = mla.widths(cfg.model)[2]
+  if not attention.flash_fits(width):
+    raise ConfigError(key, f"cudnn needs heads a multiple of 8 up to 128 wide, got {width}"
+                      f"{' (Multi-head Latent Attention)' if cfg.model.mla.kv_lora_rank else ''}; "
+                      "use xla")
 
 
 def _check_float8(cfg, mesh: Mesh) -> None:

@@ -208,10 +208,9 @@ def in_stage_slots(spec: ModelSpec, layout: StageLayout) -> ModelSpec:
       update_model_state=update if spec.update_model_state else None)
 
 
-def from_stage_slots(cfg, tree):
+def from_stage_slots(layout: StageLayout, tree):
   """The model's own weights or model state (or their shapes) from the
-  state's: the layers out of the pipeline's slots (`in_stage_slots`)."""
-  layout = stage_layout(cfg)
+  state's: the layers out of `layout`'s slots (`in_stage_slots`)."""
   if layout.even_split:
     return tree
   unslotted = _layers_in(layout.from_slots)

@@ -17,10 +17,12 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain import workdir as saved_run
 from meshtrain.config import from_saved
 from meshtrain.errors import reading
 from meshtrain.parallel.pipeline.stages import StageLayout
 from meshtrain.train.parallelize import stage_layout
+from meshtrain.train.setup import Setup
 
 
 def saved_layout(saved_config: dict) -> StageLayout:
@@ -89,10 +91,17 @@ def _step_config(workdir, step: int) -> dict:
     return checkpointer.restore(path)
 
 
-def read_saved(read: Callable, workdir, step: int, cfg, abstract, shardings):
-  """`read(workdir, step, abstract, shardings)` (`workdir.load_params` or
-  `load_model_state`) of checkpoint `step` of `workdir`, whatever stage
-  layout saved it, in `cfg`'s."""
-  relayout = Relayout(saved_layout(_step_config(workdir, step)), stage_layout(cfg))
-  tree = read(workdir, step, *relayout.as_saved(abstract, shardings))
-  return None if tree is None else relayout.moved(tree, shardings)
+def read_weights(workdir, step: int, setup: Setup, param_shardings=None) -> tuple:
+  """The weights and the model state (None for a model without one) of
+  checkpoint `step` of `workdir`, whatever stage layout saved it, in the
+  layout of `setup`'s run, laid out by `param_shardings` (default: the train
+  state's)."""
+  relayout = Relayout(saved_layout(_step_config(workdir, step)), setup.run.layout)
+
+  def read(load: Callable, abstract, shardings):
+    tree = load(workdir, step, *relayout.as_saved(abstract, shardings))
+    return None if tree is None else relayout.moved(tree, shardings)
+  return (read(saved_run.load_params, setup.spec.abstract_params,
+               param_shardings or setup.shardings.params),
+          read(saved_run.load_model_state, jax.eval_shape(setup.spec.init_model_state),
+               setup.shardings.model_state))

@@ -82,6 +82,16 @@ def sharding_rules(cfg, mesh) -> r.ShardingRules:
                           expert_axes=parallelize.expert_axes(cfg))
 
 
+def check(cfg, mesh: Mesh | AbstractMesh) -> None:
+  """Every check of `resolve` that needs no devices, each failing as one
+  `ConfigError`: the config against the mesh's sizes (`mesh_checks.check`),
+  local SGD's and precision's. The planner's search runs it on each
+  candidate's config, so that it ranks only what meshtrain runs."""
+  mesh_checks.check(cfg, mesh)
+  local_sgd.validate(cfg)
+  precision.validate(cfg)
+
+
 def resolve(cfg, devices: Sequence[jax.Device] | AbstractMesh | None = None) -> Run:
   """The run of `cfg` on `devices` (default: this machine's; a GPU target's
   compile for that cluster, `meshtrain.gpu_targets`), each check failing as
@@ -91,11 +101,9 @@ def resolve(cfg, devices: Sequence[jax.Device] | AbstractMesh | None = None) -> 
   mesh = (devices if isinstance(devices, AbstractMesh)
           else make_mesh(cfg.mesh, devices if devices is not None else jax.devices()))
   cfg = with_packing(padded_vocab(cfg, mesh.shape["tensor"]))
-  mesh_checks.check(cfg, mesh)
+  check(cfg, mesh)
   if isinstance(mesh, Mesh):
     mesh_checks.check_machine(cfg, mesh)
-  local_sgd.validate(cfg)
-  precision.validate(cfg)
   return Run(cfg, mesh, sharding_rules(cfg, mesh), parallelize.stage_layout(cfg),
              parallelize.expert_axes(cfg), parallelize.model_config(cfg),
              parallelize.execution_for(cfg, parallelize.run_device(mesh)))
