@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshtrain import rules as r
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # The equations' batch and length letters (the model's shape suffixes), and
 # the mesh axes that split them.
@@ -46,6 +48,19 @@ class Recipe:
 RECIPES = {"tensorwise": Recipe(per_slice=False, gradient=E5M2),
            "rowwise": Recipe(per_slice=True, gradient=E4M3)}
 CHOICES = ("none", *RECIPES)
+# The logical names of the weights whose matmuls `config.float8` runs in
+# float8: every block's projections (attention's q, k, v and output, the
+# MLP's gate, up and down; the stacked layers' and each multi-token
+# prediction module's), each a width of the residual stream (`embed`) by one
+# of these. The embedding, the head and a module's input projection (embed
+# by embed) stay in the working dtype.
+PROJECTION_WIDTHS = frozenset({r.HEADS, r.KV_HEADS, r.MLP})
+
+
+def runs_in_float8(names: tuple) -> bool:
+  """Whether the weight of logical `names` is one of the projections (by
+  `PROJECTION_WIDTHS`) whose GEMMs run in float8 under `config.float8`."""
+  return r.EMBED in names and not PROJECTION_WIDTHS.isdisjoint(names)
 
 
 def quantize(x: jax.Array, dtype, axes: tuple[int, ...] | None,

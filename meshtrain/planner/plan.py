@@ -41,7 +41,7 @@ from meshtrain import gpu_targets, rules as r
 from meshtrain.analysis import gpu_program, hlo
 from meshtrain.mesh import AXES, axis_sizes
 from meshtrain.models import flops, mla
-from meshtrain.parallel import experts, sequence
+from meshtrain.parallel import experts, float8, sequence
 from meshtrain.parallel.pipeline.split import split_vjp
 from meshtrain.planner import clusters, costs, residuals
 from meshtrain.train import local_sgd, pipelined, setup as setup_lib
@@ -175,11 +175,11 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
 
 
 def _gathered_bytes(names: tuple, cfg, param_bytes: int) -> int:
-  """Bytes an element of a weight is all-gathered in: a layer's projection
-  under `config.float8` in float8, quantized on its shard before the gather
-  (where XLA puts the quantization: docs/float8.md), else the working dtype."""
-  projection = names[0] == r.LAYERS and r.EMBED in names and len(names) > 2
-  return 1 if projection and cfg.float8 != "none" else param_bytes
+  """Bytes an element of a weight is all-gathered in: a projection under
+  `config.float8` (`float8.runs_in_float8`) in float8, quantized on its
+  shard before the gather (where XLA puts the quantization: docs/float8.md),
+  else the working dtype."""
+  return 1 if cfg.float8 != "none" and float8.runs_in_float8(names) else param_bytes
 
 
 def _activation_traffic(cfg, mesh, comm: _Comm, length_axes: set[str]) -> None:
