@@ -71,7 +71,7 @@ def test_eval_loss_on_a_mesh_equals_plain_jit_on_one_device(corpus, initial, mes
   setup = build(cfg)
   params, expected = initial
   params = jax.device_put(params, setup.shardings.params)
-  evaluator = Evaluator(cfg, setup)
+  evaluator = Evaluator(setup)
   first, second = evaluator(params), evaluator(params)
   assert first == second and evaluator.traces == 1  # same batches, compiled once
   np.testing.assert_allclose(first["eval_loss"], expected, rtol=2e-6)
@@ -104,12 +104,12 @@ def test_the_loop_evaluates_every_n_steps_and_at_the_last_and_resumes_exactly(co
 
 def test_eval_refuses_what_it_cannot_do(corpus, real_text):
   with pytest.raises(ConfigError, match="config.eval.every_steps"):
-    evaluator_for(eval_config(corpus, **{"eval.every_steps": -1}), build(eval_config(corpus)))
+    evaluator_for(build(eval_config(corpus, **{"eval.every_steps": -1})))
   with pytest.raises(ConfigError, match="config.eval.batches"):
-    Evaluator(eval_config(corpus, **{"eval.batches": 0}), build(eval_config(corpus)))
+    Evaluator(build(eval_config(corpus, **{"eval.batches": 0})))
   with pytest.raises(ConfigError, match="no validation split"):
-    Evaluator(micro_config(**{"data.source": "text", "data.path": str(real_text),
-                              "model.vocab_size": 256}), build(eval_config(corpus)))
+    Evaluator(build(micro_config(**{"data.source": "text", "data.path": str(real_text),
+                                    "model.vocab_size": 256})))
 
 
 @pytest.mark.slow
@@ -166,7 +166,7 @@ def test_a_chat_corpus_evaluates_the_mean_over_the_assistant_tokens_of_all_batch
                         "mesh.data": 2, "mesh.fsdp": 4, "grad_accum_steps": 2})
   setup = build(cfg)
   params = setup.init_state().params
-  got = Evaluator(cfg, setup)(params)["eval_loss"]
+  got = Evaluator(setup)(params)["eval_loss"]
   graphdef = setup.spec.graphdef  # local attention: it runs as well on one device
   one = jax.device_put(jax.device_get(params), jax.devices()[0])
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,

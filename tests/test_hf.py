@@ -195,7 +195,7 @@ def test_init_from_starts_a_run_from_the_hf_weights_bit_for_bit(tmp_path):
   cfg = finetune_config(source, tmp_path / "run")
   assert cfg.init_from == f"hf:{source}"
   setup = build(cfg)
-  state, checkpoints, origin = start_state(cfg, setup, batches=None)
+  state, checkpoints, origin = start_state(setup, batches=None)
   checkpoints.close()
   assert origin == f"initialized from hf:{source}" and int(state.step) == 0
   expected = safetensors.numpy.load_file(source / "model.safetensors")

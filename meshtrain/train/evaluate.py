@@ -35,7 +35,8 @@ class Evaluator:
   """`evaluator(params, model_state) -> {"eval_loss", "eval_perplexity"}` for
   the master weights (and model state) of a train state."""
 
-  def __init__(self, cfg, setup: Setup):
+  def __init__(self, setup: Setup):
+    cfg = setup.cfg
     if cfg.eval.batches < 1:
       raise ConfigError("config.eval.batches", f"is {cfg.eval.batches}; evaluate at least 1 batch")
     loss_fn = _loss_fn(setup)
@@ -97,17 +98,18 @@ def _loss_fn(setup: Setup):
   return microbatched
 
 
-def evaluator_for(cfg, setup: Setup) -> Evaluator | None:
+def evaluator_for(setup: Setup) -> Evaluator | None:
   """The run's evaluator, or None where `config.eval.every_steps` is 0."""
+  cfg = setup.cfg
   if cfg.eval.every_steps < 0:
     raise ConfigError("config.eval.every_steps", f"is {cfg.eval.every_steps}; use 0 (no "
                       "evaluation) or the steps between evaluations")
-  return Evaluator(cfg, setup) if cfg.eval.every_steps else None
+  return Evaluator(setup) if cfg.eval.every_steps else None
 
 
 def evaluate_checkpoint(cfg, workdir: str, step: int) -> dict:
   """Evaluates the weights of checkpoint `step` in `workdir` on `cfg`'s mesh."""
   setup = build(cfg)
-  evaluator = Evaluator(cfg, setup)
+  evaluator = Evaluator(setup)
   params, model_state = read_weights(workdir, step, setup)
   return {"step": step, **evaluator(params, model_state)}

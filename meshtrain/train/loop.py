@@ -126,14 +126,14 @@ def _train(cfg, watchdog) -> list[dict]:
   announce_resolved(cfg, setup.run)
   cfg = setup.cfg
   check_fits(setup)
-  evaluator = evaluator_for(cfg, setup)
+  evaluator = evaluator_for(setup)
   sharding = setup.train_step.batch_sharding
   batch_shape = (cfg.global_batch, cfg.seq_len)
   rows = process_rows(sharding, batch_shape)
   batches = make_iterator(cfg.data, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
                           vocab_size=cfg.model.vocab_size, seed=cfg.seed, rows=rows)
   workdir = Path(cfg.workdir)
-  state, checkpoints, origin = start_state(cfg, setup, batches)
+  state, checkpoints, origin = start_state(setup, batches)
   first = int(state.step) + 1
   if first > cfg.steps:  # this config's run, finished (start_state refuses another's)
     checkpoints.close()

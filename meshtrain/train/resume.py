@@ -36,12 +36,13 @@ def _restore_source(path: str) -> tuple[Checkpoints, int]:
   return source, step
 
 
-def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
-  """The state to start from: the workdir's newest checkpoint, else the one
-  `config.checkpoint.restore_from` names, else `config.init_from`'s weights or a
-  fresh init. Everything is read and checked before anything is written.
-  Returns the state, the workdir's checkpoints and where the state came from."""
-  own = source = step = None
+def start_state(setup: Setup, batches) -> tuple[TrainState, Checkpoints, str]:
+  """The state to start `setup`'s run from: the workdir's newest checkpoint,
+  else the one `config.checkpoint.restore_from` names, else
+  `config.init_from`'s weights or a fresh init. Everything is read and
+  checked before anything is written. Returns the state, the workdir's
+  checkpoints and where the state came from."""
+  cfg, own, source, step = setup.cfg, None, None, None
   try:
     if (Path(cfg.workdir) / "checkpoints").is_dir():
       own = _own(cfg)
@@ -49,7 +50,7 @@ def start_state(cfg, setup: Setup, batches) -> tuple[TrainState, Checkpoints, st
     if step is None and cfg.checkpoint.restore_from:
       source, step = _restore_source(cfg.checkpoint.restore_from)
     if step is None and cfg.init_from:
-      return init_from(cfg, setup), own or _own(cfg), f"initialized from {cfg.init_from}"
+      return init_from(setup), own or _own(cfg), f"initialized from {cfg.init_from}"
     if step is None:
       return setup.init_state(), own or _own(cfg), "initialized"
     if source is own and step >= cfg.steps:
@@ -156,9 +157,9 @@ def initial_state(setup: Setup, directory, *, key: str) -> TrainState:
     return jax.jit(create, out_shardings=setup.shardings, donate_argnums=0)(params, model_state)
 
 
-def init_from(cfg, setup: Setup) -> TrainState:
+def init_from(setup: Setup) -> TrainState:
   """The start of a run with `config.init_from=hf:DIR`; its `config.model` must be DIR's model."""
-  key = "config.init_from"
+  cfg, key = setup.cfg, "config.init_from"
   if not cfg.init_from.startswith(importer.PREFIX):
     raise ConfigError(key, f"{cfg.init_from!r} is not '' or 'hf:DIR' (a Hugging Face model "
                       "directory)")
