@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from report import write_section  # noqa: E402
 from shakespeare import WINDOW, config, final_loss, smoothed  # noqa: E402
 
-RUNS = {"bfloat16": "none", "float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise"}
+RUNS = {"bfloat16": "none", "float8 tensorwise": "tensorwise", "float8 rowwise": "rowwise",
+        "float8 blockwise": "blockwise"}
 
 
 def draw(rows, path):

@@ -18,7 +18,9 @@ from reference import random_batches
 
 # Formats of (forward operands, gradient) by recipe, as docs/float8.md gives them.
 FORMATS = {"tensorwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2),
-           "rowwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn)}
+           "rowwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+           "blockwise": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn)}
+BLOCK = 128  # DeepSeek-V3's: 1 x 128 groups of activations and gradients, 128 x 128 of weights
 
 
 def dequantized(x: np.ndarray, dtype, axes) -> np.ndarray:
@@ -30,6 +32,33 @@ def dequantized(x: np.ndarray, dtype, axes) -> np.ndarray:
   scale = np.where(amax > 0, amax / largest, np.float32(1)).astype(np.float32)
   q = np.clip(x32 / scale, -largest, largest).astype(dtype)
   return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def block_dequantized(x: np.ndarray, dtype, axes) -> np.ndarray:
+  """x through `dtype` block by block: BLOCK along each of `axes` (the last
+  block of a dimension BLOCK does not divide shorter), 1 along the others."""
+  out = np.empty(x.shape, np.float64)
+  steps = [BLOCK if i in axes else 1 for i in range(x.ndim)]
+  for corner in np.ndindex(*(-(-n // step) for n, step in zip(x.shape, steps))):
+    block = tuple(slice(i * step, (i + 1) * step) for i, step in zip(corner, steps))
+    out[block] = dequantized(x[block], dtype, None)
+  return out
+
+
+def reference_block_gemms(equation: str, x, w, g) -> dict[str, np.ndarray]:
+  """blockwise's three GEMMs in float64: x and g in 1 x BLOCK groups along
+  their last dimension, w in BLOCK x BLOCK blocks over its last contracted
+  and last kept dimensions, all e4m3."""
+  inputs, out = equation.split("->")
+  x_dims, w_dims = inputs.split(",")
+  e4m3 = ml_dtypes.float8_e4m3fn
+  w_axes = ([i for i, d in enumerate(w_dims) if d not in out][-1],
+            [i for i, d in enumerate(w_dims) if d in out][-1])
+  qx, qw, qg = (block_dequantized(a, e4m3, axes) for a, axes in (
+      (x, (x.ndim - 1,)), (w, w_axes), (g, (g.ndim - 1,))))
+  return {"forward": np.einsum(equation, qx, qw),
+          "input gradient": np.einsum(f"{out},{w_dims}->{x_dims}", qg, qw),
+          "weight gradient": np.einsum(f"{x_dims},{out}->{w_dims}", qx, qg)}
 
 
 def reference_gemm(equation: str, a, a_dtype, b, b_dtype, rowwise: bool) -> np.ndarray:
@@ -46,10 +75,13 @@ def reference_gemm(equation: str, a, a_dtype, b, b_dtype, rowwise: bool) -> np.n
 
 
 # (equation, x shape, w shape): the MLP's, the fused gate/up, the attention's
-# output (two contracted dimensions); sizes that no block or power of two divides.
+# output (two contracted dimensions); sizes that no block or power of two
+# divides, and beyond a block (blockwise: 3 x 3 blocks of w, the last short).
 MATMULS = [("bld,df->blf", (2, 5, 12), (12, 7)),
            ("bld,cdf->cblf", (3, 4, 9), (2, 9, 6)),
-           ("blnh,nhd->bld", (2, 3, 4, 5), (4, 5, 11))]
+           ("blnh,nhd->bld", (2, 3, 4, 5), (4, 5, 11)),
+           ("bld,df->blf", (2, 3, 300), (300, 260)),
+           ("blnh,nhd->bld", (1, 3, 2, 136), (2, 136, 140))]
 
 
 @pytest.mark.parametrize("recipe", sorted(float8.RECIPES))
@@ -65,6 +97,7 @@ def test_the_float8_matmul_and_its_gradients_equal_the_recipe_written_in_numpy(
   w = rng.normal(size=w_shape).astype(np.float32) / 2
   x[0, 0] = 0  # a row of x that is all zeros
   w[..., 0] = 0  # a column of w (an output feature) that is all zeros
+  w[..., BLOCK:2 * BLOCK, BLOCK:2 * BLOCK] = 0  # where w spans blocks, an all-zero one
   inputs, out = equation.split("->")
   x_dims, w_dims = inputs.split(",")
   y, vjp = jax.vjp(lambda x, w: float8.einsum(equation, x, w, recipe), x, w)
@@ -72,9 +105,10 @@ def test_the_float8_matmul_and_its_gradients_equal_the_recipe_written_in_numpy(
   g_x, g_w = vjp(g)
   fwd, grad = FORMATS[recipe]
   rowwise = recipe == "rowwise"
-  want = {"forward": reference_gemm(equation, x, fwd, w, fwd, rowwise),
-          "input gradient": reference_gemm(f"{out},{w_dims}->{x_dims}", g, grad, w, fwd, rowwise),
-          "weight gradient": reference_gemm(f"{x_dims},{out}->{w_dims}", x, fwd, g, grad, rowwise)}
+  want = reference_block_gemms(equation, x, w, g) if recipe == "blockwise" else {
+      "forward": reference_gemm(equation, x, fwd, w, fwd, rowwise),
+      "input gradient": reference_gemm(f"{out},{w_dims}->{x_dims}", g, grad, w, fwd, rowwise),
+      "weight gradient": reference_gemm(f"{x_dims},{out}->{w_dims}", x, fwd, g, grad, rowwise)}
   exact = {"forward": np.einsum(equation, x, w), "input gradient": np.einsum(
       f"{out},{w_dims}->{x_dims}", g, w), "weight gradient": np.einsum(
           f"{x_dims},{out}->{w_dims}", x, g)}
@@ -110,6 +144,13 @@ COMPOSITIONS = {
         "pipeline.schedule": "zb_h1", "pipeline.microbatches": 2},
     "rowwise pipeline=2 1f1b x tensor=2 x data=2": {
         "float8": "rowwise", "mesh.pipeline": 2, "mesh.tensor": 2, "mesh.data": 2,
+        "pipeline.microbatches": 2},
+    "blockwise fsdp=2 x tensor=2 x data=2 Megatron-SP, accumulate 2": {
+        "float8": "blockwise", "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 2,
+        "tensor_sequence_parallel": True, "grad_accum_steps": 2},
+    "blockwise pipeline=2 zb_h1 x fsdp=2 x sequence=2 ulysses": {
+        "float8": "blockwise", "mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.sequence": 2,
+        "mesh.data": 1, "attention.sequence_strategy": "ulysses", "pipeline.schedule": "zb_h1",
         "pipeline.microbatches": 2},
 }
 

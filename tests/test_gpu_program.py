@@ -258,6 +258,23 @@ def test_float8_runs_every_projection_gemm_in_float8_and_only_the_head_in_bfloat
   assert gradients == (2 * projections // 3 if recipe == "tensorwise" else 0)
 
 
+def test_blockwise_float8_quantizes_by_blocks_and_multiplies_in_bfloat16():
+  """What XLA builds for `blockwise` on Hopper: each operand rounded to e4m3
+  by blocks (the program converts to float8, which the GPU compiler drops
+  without `block_dequantized`'s barrier), then every GEMM a bfloat16 one, and the layers' weights gathered in bfloat16: XLA has no GEMM whose
+  scales change along the contraction, so blockwise buys DeepSeek-V3's
+  numerics, not float8's speed or bytes; `plan` counts it so."""
+  changes = {"mesh.fsdp": 8, "float8": "blockwise"}
+  setup, collectives, kernels = program("h100:1x8", **changes)
+  _, bfloat16_collectives, bfloat16 = program("h100:1x8", **{"mesh.fsdp": 8})
+  assert "f8e4m3fn" in compiled_program("h100:1x8", **changes)[1].as_text()
+  assert float8_gemms(kernels) == 0
+  gemm_count = lambda kernels: sum(k["count"] for k in kernels  # noqa: E731
+                                   if k["kernel"] != gpu_program.FLASH_ATTENTION)
+  assert gemm_count(kernels) == gemm_count(bfloat16) == 3 * 4 * setup.cfg.model.num_layers + 3
+  assert float8_gather_savings(**changes) == (0, 0)
+
+
 def test_float8_reaches_each_multi_token_prediction_modules_block():
   """A multi-token prediction module's block has the layers' projections:
   under `config.float8` their GEMMs run in float8 too, and their weights are

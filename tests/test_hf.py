@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -205,6 +206,30 @@ def test_init_from_starts_a_run_from_the_hf_weights_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(got[name], tensor, err_msg=name)
   assert all(not np.any(x) for x in jax.tree.leaves(jax.device_get(state.opt_state))
              if np.ndim(x) > 0)  # fresh Adam moments
+
+
+def test_export_after_float8_training_is_the_master_weights_in_bfloat16(tmp_path):
+  """Float8 training quantizes the GEMMs' operands as they run, never the
+  weights it keeps: after two tensorwise steps the bfloat16 export is the
+  float32 master weights of the last checkpoint, rounded to bfloat16."""
+  source = tmp_path / "hf"
+  before = save_hf_llama(source, **CASES["untied_gqa"]) and safetensors.numpy.load_file(
+      source / "model.safetensors")
+  imported = import_hf(micro_config(), source, tmp_path / "imported")
+  cfg = finetune_config(imported, imported, float8="tensorwise")
+  cfg.steps = 2
+  train(cfg)
+  setup = build(cfg)
+  params = saved_run.load_params(imported, 2, setup.spec.abstract_params, setup.shardings.params)
+  export_hf(cfg, params, imported, tmp_path / "exported", dtype="bfloat16")
+  got = safetensors.numpy.load_file(tmp_path / "exported" / "model.safetensors")
+  master = hf_tensors_of(params)
+  assert sorted(got) == sorted(master) == sorted(before)
+  for name, tensor in master.items():
+    assert tensor.dtype == np.float32 and got[name].dtype == ml_dtypes.bfloat16, name
+    np.testing.assert_array_equal(got[name], tensor.astype(ml_dtypes.bfloat16), err_msg=name)
+  assert all(not np.array_equal(master[name], before[name]) for name in before
+             if "norm" not in name)  # trained
 
 
 def test_export_loads_in_transformers_and_round_trips_bit_for_bit(tmp_path):

@@ -429,17 +429,19 @@ def test_float8_runs_the_projections_at_the_float8_peak_where_the_cluster_has_on
   """Under `config.float8` the projections' FLOPs (6 a weight of them a
   token, counted here from the widths) run at the H100's 1,979 TFLOP/s and
   the rest of a token's FLOPs at its 989; an A100, without float8 GEMMs,
-  computes as in bfloat16."""
+  computes as in bfloat16, and so does blockwise, whose GEMMs are bfloat16
+  ones (tests/test_gpu_program.py)."""
   cfg = micro_config(**{"model.num_layers": 4})
   m = cfg.model
   projections = m.num_layers * (m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
                                 + 3 * m.embed_dim * m.mlp_dim)
   c = search.Candidate((("data", 8), ("pipeline", 1), ("fsdp", 1), ("sequence", 1),
                         ("tensor", 1)))
-  for name, expected in (("h100", None), ("a100_80gb", 1.0)):
+  for name, recipe, expected in (("h100", "tensorwise", None), ("a100_80gb", "tensorwise", 1.0),
+                                 ("h100", "blockwise", 1.0)):
     cluster = clusters.PRESETS[name]
-    bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 4, "float8": recipe}),
-                                  cluster) for recipe in ("none", "tensorwise"))
+    bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 4, "float8": chosen}),
+                                  cluster) for chosen in ("none", recipe))
     share = 6 * projections / bf16.flops_per_token
     ratio = expected or (1 - share) + share * cluster.peak_flops / cluster.float8_flops
     flops_s = lambda model: model.chunk_work(c, c.config(model.cfg))[0, 0] - model.memory_bound_s(

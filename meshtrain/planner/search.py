@@ -58,7 +58,7 @@ from meshtrain import rules as r
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 from meshtrain.models import flops, mla
-from meshtrain.parallel import attention, experts, sequence as sequence_lib
+from meshtrain.parallel import attention, experts, float8, sequence as sequence_lib
 from meshtrain.parallel.pipeline.stages import balanced_counts, chunk_loads
 from meshtrain.planner import calibration, costs, plan as plan_lib, published, residuals
 from meshtrain.planner.clusters import Cluster
@@ -401,11 +401,12 @@ class StepModel:
 
   def _peak_flops(self, cfg, cluster: Cluster, projection_flops: float) -> float:
     """The FLOP/s a device runs the step's matmuls at: the bfloat16 peak, or
-    under `config.float8` (on a cluster with float8 GEMMs) the projections'
-    share of a token's FLOPs (`projection_flops` of `flops_per_token`, its
-    forward and backward; a recomputed forward has the same mix) at the
-    float8 peak and the rest (attention's scores, the head) at bfloat16's."""
-    if cfg.float8 == "none" or not cluster.float8_flops:
+    under a `config.float8` recipe of float8 GEMMs (`float8.float8_gemms`),
+    on a cluster with them, the projections' share of a token's FLOPs
+    (`projection_flops` of `flops_per_token`, its forward and backward; a
+    recomputed forward has the same mix) at the float8 peak and the rest
+    (attention's scores, the head) at bfloat16's."""
+    if not float8.float8_gemms(cfg.float8) or not cluster.float8_flops:
       return cluster.peak_flops
     share = projection_flops / self.flops_per_token
     return 1 / ((1 - share) / cluster.peak_flops + share / cluster.float8_flops)
