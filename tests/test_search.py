@@ -331,6 +331,35 @@ def test_small_per_device_matmuls_are_memory_bound():
   assert small == pytest.approx(2 * (16 * 8192 + 8192 * 128 + 16 * 128) / 3.35e12)
 
 
+def test_float8_gemms_move_one_byte_operands_and_pay_the_quantizer():
+  # [16, 8192] x [8192, 128] in float8 at 0.5 x 2e15: 67 ns of FLOPs, its
+  # one-byte operands and bf16 output 1.2 MB at 3.35 TB/s: memory-bound still.
+  small = costs.gemm_seconds(16, 8192, 128, 2e15, 3.35e12, 0.5, 1)
+  assert small == pytest.approx((16 * 8192 + 8192 * 128 + 2 * 16 * 128) / 3.35e12)
+  # A micro model on 8 H100s as data=8, one 16-token row a device: every
+  # projection memory-bound. Under float8 each of the three passes' GEMMs
+  # moves one byte an operand element, and the quantizer reads each of its
+  # quantized elements twice and writes one byte: 3 passes, each quantizing
+  # two of x [16, k], w [k, n], g [16, n].
+  cfg = micro_config(**{"model.num_layers": 2, "seq_len": 16, "global_batch": 8})
+  m, h100 = cfg.model, clusters.PRESETS["h100"]
+  c = search.Candidate((("data", 8), ("pipeline", 1), ("fsdp", 1), ("sequence", 1),
+                        ("tensor", 1)))
+  qkv, out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim, m.num_heads * m.head_dim
+  shapes = [(16, m.embed_dim, qkv), (16, out, m.embed_dim), (16, m.embed_dim, 2 * m.mlp_dim),
+            (16, m.mlp_dim, m.embed_dim)]
+  moved = sum(3 * (1 * (t * k + k * n) + 2 * t * n) + 5 * 2 * (t * k + k * n + t * n)
+              for t, k, n in shapes) - sum(3 * 2 * (t * k + k * n + t * n) for t, k, n in shapes)
+  bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 2, "seq_len": 16,
+                                                "global_batch": 8, "float8": recipe}), h100)
+               for recipe in ("none", "tensorwise"))
+  flops = sum(3 * 2 * t * k * n for t, k, n in shapes)
+  extra = m.num_layers * (moved / h100.memory_bandwidth - flops / (h100.float8_flops * fp8.efficiency)
+                          + flops / (h100.peak_flops * bf16.efficiency))
+  assert (fp8.memory_bound_s(c, c.config(fp8.cfg)) - bf16.memory_bound_s(c, c.config(bf16.cfg))
+          == pytest.approx(extra))
+
+
 def test_layer_traffic_hides_behind_each_layers_compute_but_one():
   # 10 layers, 10 ms of traffic and 20 ms of compute: 1 ms a layer against 2,
   # the first layer's shows, and in the nine others the compute beside 1 ms of

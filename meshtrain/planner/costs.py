@@ -7,7 +7,9 @@
 - `gemm_seconds`: a matmul on its per-device shape by the roofline: its
   FLOPs at the calibrated kernel efficiency, or its operands' and result's
   bytes at the memory bandwidth, whichever takes longer, so small
-  per-device GEMMs (a thin tensor-parallel split) run below peak.
+  per-device GEMMs (a thin tensor-parallel split) run below peak; under
+  float8 its operands move one byte an element, and `quantize_seconds` the
+  quantizer's passes over them.
 - `elementwise_seconds`: norms, residual adds, activation functions and the
   like read and write a layer's activations through memory, a fitted
   number of passes.
@@ -69,12 +71,25 @@ def collective_seconds(kind: str, n: int, ring_bytes: float, count: float, bandw
 
 
 def gemm_seconds(m: float, k: float, n: float, peak_flops: float, memory_bandwidth: float,
-                 efficiency: float, element_bytes: int = 2) -> float:
+                 efficiency: float, operand_bytes: int = 2, output_bytes: int = 2) -> float:
   """One [m, k] x [k, n] matmul on a device: 2mkn FLOPs at `efficiency` of
-  peak, or (mk + kn + mn) elements through memory, whichever is slower."""
+  peak, or its operands' mk + kn elements and its output's mn through
+  memory, whichever is slower."""
   flops = 2 * m * k * n
-  moved = element_bytes * (m * k + k * n + m * n)
+  moved = operand_bytes * (m * k + k * n) + output_bytes * m * n
   return max(flops / (peak_flops * efficiency), moved / memory_bandwidth)
+
+
+# Bytes `meshtrain.parallel.float8.quantize` moves for an element of a
+# bfloat16 operand: it reads it for the absolute maximum, reads it again to
+# scale and convert it, and writes one byte (the GEMM's read of that byte is
+# `gemm_seconds`').
+QUANTIZE_BYTES = 2 + 2 + 1
+
+
+def quantize_seconds(elements: float, memory_bandwidth: float) -> float:
+  """The float8 quantizer's passes over `elements` operand elements."""
+  return QUANTIZE_BYTES * elements / memory_bandwidth
 
 
 def elementwise_seconds(tokens: float, widths: float, passes: float,

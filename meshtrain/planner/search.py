@@ -451,6 +451,28 @@ class StepModel:
       gemms += [(tokens, d, 2 * moe.shared_mlp_dim / t), (tokens, moe.shared_mlp_dim / t, d)]
     return gemms
 
+  def gemm_excess_s(self, c: Candidate, gemms: list, passes: int) -> float:
+    """What the roofline adds to one pass of one layer's `gemms` over their
+    FLOPs at the kernel efficiency (`memory_bound_s` counts `passes` of
+    them). Under a recipe of float8 GEMMs (on every projection: the only
+    GEMMs `config.float8` allows) they run at the float8 peak with one-byte
+    operands, and the quantizer's passes add, a pass's share of them: each
+    pass quantizes two of a GEMM's three matrices (forward x and w, input
+    gradient g and w, weight gradient x and g, a recomputed forward x and
+    w), a weight on its FSDP shard (XLA quantizes before the gather)."""
+    cluster = self.cluster
+    in_float8 = float8.float8_gemms(self.cfg.float8) and bool(cluster.float8_flops)
+    peak = cluster.float8_flops if in_float8 else cluster.peak_flops
+    excess = sum(costs.gemm_seconds(*g, peak, cluster.memory_bandwidth, self.efficiency,
+                                    1 if in_float8 else 2)
+                 - 2 * math.prod(g) / (peak * self.efficiency) for g in gemms)
+    if not in_float8:
+      return excess
+    shards = c.sizes["fsdp"]
+    quantized = sum(m * k * (2 + (passes > 3)) + k * n / shards * (passes - 1) + 2 * m * n
+                    for m, k, n in gemms) / passes  # memory_bound_s counts `passes` of excess
+    return excess + costs.quantize_seconds(quantized, cluster.memory_bandwidth)
+
   def memory_bound_s(self, c: Candidate, cfg) -> float:
     """Per step on this device, what memory bandwidth adds to the matmuls'
     FLOPs at the kernel efficiency: what the weight matmuls lose on their
@@ -468,9 +490,7 @@ class StepModel:
     layers = cfg.model.num_layers / sizes["pipeline"]
     passes = 3 + (c.remat == "full")  # forward, two backward matmuls each, a recomputed forward
     gemms = self.layer_gemms(c, tokens)
-    excess = sum(costs.gemm_seconds(*g, cluster.peak_flops, cluster.memory_bandwidth,
-                                    self.efficiency) - 2 * math.prod(g) / (
-                                        cluster.peak_flops * self.efficiency) for g in gemms)
+    excess = self.gemm_excess_s(c, gemms, passes)
     # The activations the layer's matmuls write, a token's share: a routed
     # expert writes its width on the rows it receives, not on every token.
     widths = sum(rows_in * n for rows_in, _, n in gemms) / tokens
