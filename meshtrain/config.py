@@ -35,7 +35,7 @@ def _run_keys(c: ml_collections.ConfigDict) -> None:
   c.grad_accum_steps = 1        # microbatches per step; divides global_batch / (data * fsdp)
   c.param_dtype = "float32"     # working copy of the weights in forward/backward (master stays float32)
   c.compute_dtype = "float32"   # activations and matmul inputs: float32, bfloat16 or float16
-  c.float8 = "none"             # the projections' GEMMs in float8: none | tensorwise | rowwise (docs/float8.md)
+  c.float8 = "none"             # the projections' GEMMs in float8: none | tensorwise | rowwise | blockwise (docs/float8.md)
   c.grad_dtype = "float32"      # gradients and their accumulator: float32 or bfloat16 (2 bytes/param, as ZeRO counts)
   c.remat = "none"              # activation recomputation per layer: none | full | selective | offload
   c.tensor_sequence_parallel = False  # Megatron-SP: norms and residuals split the length over `tensor`
@@ -131,7 +131,7 @@ def _execution_keys(c: ml_collections.ConfigDict) -> None:
   c.attention.implementation = ""  # "" (cudnn on NVIDIA GPUs in bf16, else xla) | xla | cudnn (flash)
 
   c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_h2
+  c.pipeline.schedule = "1f1b"      # when mesh.pipeline > 1: gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_h2 (zb_v: tables only)
   c.pipeline.microbatches = 4       # per step; divides global_batch / (data * fsdp)
   c.pipeline.virtual_stages = 1     # model chunks per stage (interleaved_1f1b)
   c.pipeline.stage_layers = ""      # uneven stages: layers per chunk in model order, e.g. "7,8,8,7" ("": even)

@@ -49,6 +49,10 @@ def test_checks_that_need_devices_wait_for_them():
       "pipeline.microbatches": 2}, "config.param_dtype"),
     # local SGD keeps a whole model per data replica (train/local_sgd.py)
     ({"local_sgd.inner_steps": 2, "zero_stage": 1, "mesh.data": 8}, "config.zero_stage"),
+    # ZB-V's tables are built, its V placement not yet run (docs/pipeline.md)
+    ({"mesh.data": 4, "mesh.pipeline": 2, "pipeline.schedule": "zb_v",
+      "pipeline.virtual_stages": 2, "pipeline.microbatches": 2, "model.num_layers": 4},
+     "config.pipeline.schedule"),
 ])
 def test_the_command_line_check_runs_the_resolution_before_any_device(changes, key):
   """`validate.check_devices` (every command, before jax sees a device)

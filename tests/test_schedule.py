@@ -14,7 +14,8 @@ from meshtrain.parallel.pipeline import schedule as schedule_lib
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)] + [(4, 5), (8, 9)]
 CASES = ([(name, p, m, 1) for name in ("gpipe", "1f1b", "zb_h1", "zb_h2") for p, m in SIZES]
-         + [("interleaved_1f1b", p, m, v) for p, m in SIZES if m % p == 0 for v in (2, 3)])
+         + [("interleaved_1f1b", p, m, v) for p, m in SIZES if m % p == 0 for v in (2, 3)]
+         + [("zb_v", p, m, 2) for p, m in SIZES])
 
 
 def _case_id(case):
@@ -44,6 +45,10 @@ def test_bubble_is_at_most_the_papers(built):
   if built.name == "zb_h1":
     assert measured == pytest.approx((p - 1) / (3 * m + p - 1))
     assert measured == pytest.approx(paper)
+  elif built.name == "zb_v":  # the paper's 0 times the busiest stage; lock step idles
+    assert paper == 0 and measured <= (p - 1) / (3 * m + p - 1)  # ZB-H1's at most
+    if m >= 2 * p:  # the microbatches fill the V: P - 1 ticks of half a stage
+      assert measured == pytest.approx((p - 1) / (6 * m + p - 1))
   elif built.name != "zb_h2":  # (P-1)(F+B-2W) = 0 < the fill no lock step avoids
     assert measured <= paper + 1e-12
 
@@ -81,6 +86,40 @@ def test_interleaved_in_flight_is_megatron_warmup_plus_one(p, m, v):
   schedule = schedule_lib.interleaved_one_f_one_b(p, m, v)
   warmup = [(p - s - 1) * 2 + (v - 1) * p for s in range(p)]
   assert measures.peak_in_flight(schedule) == [min(v * m, w + 1) for w in warmup]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_goes_down_the_stages_and_back_up_at_1f1bs_memory(p, m):
+  """ZB-V's V: stage s holds chunks s and 2P - 1 - s; every stage holds at
+  most 2P chunks' activations (half a stage's layers each: 1F1B's P
+  microbatches on its first stage), so its memory is balanced; its idle
+  time is a quarter of 1F1B's (P(P - 1) cells of half a stage's op against
+  2P(P - 1) of a whole one's); stage P-1 hands each microbatch from chunk
+  P-1 to chunk P on the next tick, without a send (the first of the V's way
+  up)."""
+  table = schedule_lib.build("zb_v", p, m, 2)
+  assert table.placement == "v"
+  assert [table.global_chunks(s, v) for s in range(p) for v in (0, 1)] == [
+      c for s in range(p) for c in (s, 2 * p - 1 - s)]
+  assert all(table.stage_chunks(table.global_chunks(s, v)) == (s, v)
+             for s in range(p) for v in (0, 1))
+  assert measures.peak_awaiting_w(table) == [2 * p] * p
+  one_f_one_b = schedule_lib.build("1f1b", p, m)
+  assert (table.op == 0).sum() == p * (p - 1) and (one_f_one_b.op == 0).sum() == 2 * p * (p - 1)
+  turn = p - 1
+  for mb in range(m):
+    (down,) = np.argwhere((table.op[:, turn] == schedule_lib.F) & (table.mb[:, turn] == mb)
+                          & (table.chunk[:, turn] == 0))[:, 0]
+    assert table.act_recv2_slot[down + 1, turn] >= 0  # chunk P's input, from chunk P-1
+
+
+def test_validator_catches_a_v_table_read_as_a_loop():
+  """The same ops on Megatron's loop placement break its dependencies."""
+  table = schedule_lib.build("zb_v", 4, 8, 2)
+  with pytest.raises(ValueError, match="before its"):
+    checks.validate(dataclasses.replace(table, placement="loop"))
+  with pytest.raises(ValueError, match="placement 'v' with 3 chunks"):
+    checks.validate(dataclasses.replace(table, num_chunks=3))
 
 
 def test_zb_h2_warms_up_more():

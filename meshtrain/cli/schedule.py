@@ -17,7 +17,7 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "microbatches per step",
                                      flag_values=FLAGS)
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", schedules.SCHEDULE_NAMES, "which one",
                               flag_values=FLAGS)
-_VIRTUAL = flags.DEFINE_integer("virtual", 1, "model chunks per stage (interleaved)",
+_VIRTUAL = flags.DEFINE_integer("virtual", 1, "model chunks per stage (interleaved; zb_v: 2)",
                                 flag_values=FLAGS)
 _COSTS = flags.DEFINE_string("costs", "1,1,1", "cost of F, B (input gradient) and "
                              "W (weight gradient) of one stage, e.g. 1,1,1 or 1,2,0 (Megatron)",

@@ -266,6 +266,11 @@ def _check_pipeline(cfg, mesh: Mesh, replicas: int) -> None:
   if cfg.remat == "offload":
     raise ConfigError("config.remat", "the pipeline keeps each microbatch's residuals in its own "
                       "device buffers, not on the host; use selective or full")
+  if cfg.pipeline.schedule in schedules.V_SCHEDULES:
+    raise ConfigError("config.pipeline.schedule",
+                      f"{cfg.pipeline.schedule}'s tables are built (`meshtrain schedule "
+                      f"--schedule {cfg.pipeline.schedule} --virtual 2` draws them) but "
+                      "the pipeline does not run the V placement yet; use zb_h1 or 1f1b")
   if v > 1 and cfg.pipeline.schedule != "interleaved_1f1b":
     raise ConfigError("config.pipeline.virtual_stages",
                       f"{cfg.pipeline.schedule} runs one chunk per stage, got {v}: set it to 1 "

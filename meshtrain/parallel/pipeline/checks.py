@@ -6,7 +6,8 @@ from typing import NoReturn
 import numpy as np
 
 from meshtrain.parallel.pipeline.schedule import (ARRAY_FIELDS, B, BUFFERS, F, IDLE, OP_LETTERS,
-                                                  SLOT_FIELDS, W, Schedule, value_uses)
+                                                  PLACEMENTS, SLOT_FIELDS, W, Schedule,
+                                                  value_uses)
 
 def validate(schedule: Schedule) -> None:
   """Raises ValueError naming the first broken rule, tick and stage.
@@ -17,6 +18,10 @@ def validate(schedule: Schedule) -> None:
   after its B; replaying the buffers, values go to free slots and every op
   reads the slot holding its own value.
   """
+  if schedule.placement not in PLACEMENTS or (
+      schedule.placement == "v" and schedule.num_chunks != 2):
+    raise ValueError(f"placement {schedule.placement!r} with {schedule.num_chunks} chunks a "
+                     f"stage: a table is 'loop' (any chunks) or 'v' (two)")
   shape = schedule.op.shape
   if len(shape) != 2 or shape[1] != schedule.num_stages:
     raise ValueError(f"op has shape {shape}, expected [ticks, {schedule.num_stages}]")
@@ -42,7 +47,7 @@ def _op_ticks(schedule: Schedule, kind: int, required: bool) -> dict[tuple[int, 
   found: dict[tuple[int, int], list[int]] = {}
   for tick, stage in np.argwhere(schedule.op == kind):
     key = (int(schedule.mb[tick, stage]),
-           int(schedule.chunk[tick, stage]) * schedule.num_stages + int(stage))
+           schedule.global_chunks(int(stage), int(schedule.chunk[tick, stage])))
     found.setdefault(key, []).append(int(tick))
   for mb in range(schedule.num_microbatches):
     for c in range(schedule.num_stages * schedule.num_chunks):
@@ -55,7 +60,7 @@ def _op_ticks(schedule: Schedule, kind: int, required: bool) -> dict[tuple[int, 
 
 
 def _value(schedule: Schedule, mb: int, chunk: int) -> str:
-  stage, v = chunk % schedule.num_stages, chunk // schedule.num_stages
+  stage, v = schedule.stage_chunks(chunk)
   return f"microbatch {mb} chunk {chunk} (stage {stage}, virtual chunk {v})"
 
 
@@ -107,7 +112,7 @@ def _check_buffers(schedule: Schedule) -> None:
   writes and reads exactly the slots its values need."""
   expected = {}  # (column, tick, stage) -> (buffer, value, action)
   for buffer, uses in value_uses(schedule.num_stages, schedule.num_chunks, schedule.op,
-                                  schedule.mb, schedule.chunk).items():
+                                  schedule.mb, schedule.chunk, schedule.placement).items():
     for (stage, mb, v), events in uses.items():
       events = sorted(events, key=lambda e: e[1])
       for i, (column, tick) in enumerate(events):

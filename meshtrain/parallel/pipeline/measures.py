@@ -16,9 +16,11 @@ def paper_bubble_fraction(name: str, num_stages: int, num_microbatches: int,
   """The bubble share by the formulas of Qi et al. 2023 (Table 1), idle time
   (P - 1)(F + B + W) for 1F1B and GPipe (over V for interleaved),
   (P - 1)(F + B - W) for ZB-H1 and (P - 1)(F + B - 2W), at least 0, for ZB-H2,
-  against M (F + B + W) of work per stage."""
+  none for ZB-V (its section 6, at F = B = W), against M (F + B + W) of work
+  per stage."""
   f, b, w = costs
-  idle = {"zb_h1": f + b - w, "zb_h2": max(f + b - 2 * w, 0.0)}.get(name, (f + b + w) / num_chunks)
+  idle = {"zb_h1": f + b - w, "zb_h2": max(f + b - 2 * w, 0.0), "zb_v": 0.0}.get(
+      name, (f + b + w) / num_chunks)
   idle *= num_stages - 1
   return idle / (num_microbatches * (f + b + w) + idle)
 
@@ -40,7 +42,8 @@ def timeline(schedule: Schedule, costs: tuple[float, float, float] = (1.0, 1.0, 
       kind = int(schedule.op[tick, stage])
       if kind == IDLE:
         continue
-      mb, c = int(schedule.mb[tick, stage]), int(schedule.chunk[tick, stage]) * schedule.num_stages + stage
+      mb = int(schedule.mb[tick, stage])
+      c = schedule.global_chunks(stage, int(schedule.chunk[tick, stage]))
       needs = {F: [(F, mb, c - 1)] if c > 0 else [],
                B: [(F, mb, c)] + ([(B, mb, c + 1)] if c < last else []),
                W: [(B, mb, c)]}[kind]

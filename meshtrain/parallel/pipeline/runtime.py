@@ -464,6 +464,9 @@ def _scaled(loss_and_stats: tuple[jax.Array, Any], scale: float) -> tuple[jax.Ar
 
 def _check(schedule: Schedule, layout: StageLayout, mesh: Mesh,
            microbatches: dict[str, jax.Array]) -> None:
+  if schedule.placement != "loop":
+    raise ValueError(f"{schedule.name} places its chunks on the V, which this runtime does not "
+                     "run yet")
   if mesh.shape[AXIS] != schedule.num_stages:
     raise ValueError(f"schedule has {schedule.num_stages} stages but the mesh has "
                      f"pipeline={mesh.shape[AXIS]}")

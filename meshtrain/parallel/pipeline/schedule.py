@@ -9,11 +9,20 @@ Ops. The backward is split as zero-bubble pipelines split it (Qi et al.
 2023): F (forward, keeps its residuals), B (input gradient, sent on at once)
 and W (weight gradient, frees the residuals); each costs about one F, and a
 stage runs at most one op per tick. P stages, M microbatches, V model chunks
-per stage; chunk v of stage s is global chunk c = v * P + s (Megatron's
-interleaved layout). After its op every stage sends an F output one step
-right on the ring (stage P-1 to stage 0 moves on to the next chunk) and a B
-output (the input gradient) one step left; a value made at tick t is usable
-from tick t + 1 on.
+per stage, placed by the table's `placement`:
+  - "loop" (Megatron's interleaved layout): chunk v of stage s is global
+    chunk c = v * P + s. After its op every stage sends an F output one step
+    right on the ring (stage P-1 to stage 0 moves on to the next chunk) and
+    a B output (the input gradient) one step left.
+  - "v" (V = 2, the V of ZB-V and DualPipeV): stage s holds chunks s and
+    2P - 1 - s, so a microbatch goes down the stages and comes back up them.
+    On the way down F outputs go right and B outputs left, on the way up
+    the other way; stage P-1 hands chunk P-1's output to chunk P (and chunk
+    P's input gradient to chunk P-1) without a send. Values on the way up
+    (chunks P and beyond) arrive in their own slot columns
+    (`act_recv2_slot`, `grad_recv2_slot`), since a stage may receive one
+    from each side in a tick.
+A value made at tick t is usable from tick t + 1 on.
 
 Builders are per-stage op orders (like JaxPP's task lists) placed by one
 rule: each stage runs its next op at the first tick its inputs are there.
@@ -25,18 +34,22 @@ import heapq
 
 import numpy as np
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v")
+# The schedules whose tables place their chunks on the V (`placement` "v").
+V_SCHEDULES = ("zb_v",)
+PLACEMENTS = ("loop", "v")
 IDLE, F, B, W = 0, 1, 2, 3
 OP_LETTERS = {F: "F", B: "B", W: "W"}
 
 # Every buffer of a stage: the values it holds, where they are written and
 # read (table columns), and what frees them. (kind, stage, mb, chunk) keys.
-SLOT_FIELDS = ("act_recv_slot", "act_slot", "grad_recv_slot", "grad_slot", "res_slot",
-                "cut_slot", "head_res_slot", "head_cut_slot")
+SLOT_FIELDS = ("act_recv_slot", "act_recv2_slot", "act_slot", "grad_recv_slot",
+               "grad_recv2_slot", "grad_slot", "res_slot", "cut_slot", "head_res_slot",
+               "head_cut_slot")
 ARRAY_FIELDS = ("op", "mb", "chunk", *SLOT_FIELDS)
-BUFFERS = {  # buffer -> (column written, column read, column read last)
-    "act": ("act_recv_slot", "act_slot", "act_slot"),        # arrival -> F
-    "grad": ("grad_recv_slot", "grad_slot", "grad_slot"),    # arrival -> B
+BUFFERS = {  # buffer -> (columns written, read, read last)
+    "act": ("act_recv_slot", "act_recv2_slot", "act_slot"),      # arrival -> F
+    "grad": ("grad_recv_slot", "grad_recv2_slot", "grad_slot"),  # arrival -> B
     "res": ("res_slot", "res_slot", "res_slot"),             # F -> B -> W
     "cut": ("cut_slot", "cut_slot", "cut_slot"),             # B -> W
     "head_res": ("head_res_slot", "head_res_slot", "head_res_slot"),  # last chunk's head
@@ -51,7 +64,9 @@ class Schedule:
   op: IDLE, F, B or W; mb, chunk: its microbatch and chunk v in [0, V).
   Slots (each buffer holds `slots[buffer]` values per stage):
     act_recv_slot / grad_recv_slot: where the activation (gradient) arriving
-      at the start of this tick is written, -1 if none arrives.
+      at the start of this tick is written, -1 if none arrives;
+      act_recv2_slot / grad_recv2_slot: the same for one of a chunk on the
+      V's way up (chunks P and beyond; -1 in a "loop" table).
     act_slot: the activation F reads (and frees); -1 for chunk 0 of stage 0,
       whose F starts from the embedding.
     grad_slot: the output gradient B reads (and frees); -1 for the last chunk,
@@ -71,13 +86,16 @@ class Schedule:
   mb: np.ndarray
   chunk: np.ndarray
   act_recv_slot: np.ndarray
+  act_recv2_slot: np.ndarray
   act_slot: np.ndarray
   grad_recv_slot: np.ndarray
+  grad_recv2_slot: np.ndarray
   grad_slot: np.ndarray
   res_slot: np.ndarray
   cut_slot: np.ndarray
   head_res_slot: np.ndarray
   head_cut_slot: np.ndarray
+  placement: str = "loop"
 
   def __post_init__(self):
     # Read-only int32 copies: the table cannot change under a runtime.
@@ -85,6 +103,12 @@ class Schedule:
       array = np.array(getattr(self, field), dtype=np.int32)
       array.setflags(write=False)
       object.__setattr__(self, field, array)
+
+  def global_chunks(self, stage, v):
+    return global_chunks(self.placement, self.num_stages, stage, v)
+
+  def stage_chunks(self, c):
+    return stage_chunks(self.placement, self.num_stages, c)
 
   @property
   def num_ticks(self) -> int:
@@ -110,13 +134,31 @@ class Schedule:
     return np.concatenate([arrives[1:], np.zeros((1, 2), bool)])
 
 
+def global_chunks(placement: str, num_stages: int, stage, v):
+  """The global chunk that local chunk `v` of `stage` is (ints or int arrays)."""
+  stage, v = np.asarray(stage), np.asarray(v)
+  c = (np.where(v == 0, stage, 2 * num_stages - 1 - stage) if placement == "v"
+       else v * num_stages + stage)
+  return int(c) if c.ndim == 0 else c
+
+
+def stage_chunks(placement: str, num_stages: int, c) -> tuple:
+  """(stage, local chunk v) of global chunk `c` (an int or an int array)."""
+  c = np.asarray(c)
+  if placement == "v":
+    stage, v = np.where(c < num_stages, c, 2 * num_stages - 1 - c), (c >= num_stages).astype(int)
+  else:
+    stage, v = c % num_stages, c // num_stages
+  return (int(stage), int(v)) if c.ndim == 0 else (stage, v)
+
+
 # Building from per-stage op orders.
 
 Op = tuple[int, int, int]  # (kind, mb, chunk)
 
 
 def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
-          orders: list[list[Op]]) -> Schedule:
+          orders: list[list[Op]], placement: str = "loop") -> Schedule:
   """Places each stage's ops in order, every op at the first tick it can run.
 
   An F needs its input (the previous chunk's F, a tick earlier); a B its F
@@ -136,7 +178,7 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
       if position[stage] == len(orders[stage]):
         continue
       kind, mb, v = orders[stage][position[stage]]
-      c = v * num_stages + stage
+      c = global_chunks(placement, num_stages, stage, v)
       if kind == F:
         ready = c == 0 or done.get((F, mb, c - 1), tick) < tick
       elif kind == B:
@@ -156,11 +198,12 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     rows.append(row)
   table = np.array(rows, np.int32).reshape(len(rows), num_stages, 3)
   return from_ops(name, num_stages, num_microbatches, num_chunks,
-                  table[..., 0], table[..., 1], table[..., 2])
+                  table[..., 0], table[..., 1], table[..., 2], placement)
 
 
 def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
-             op: np.ndarray, mb: np.ndarray, chunk: np.ndarray) -> Schedule:
+             op: np.ndarray, mb: np.ndarray, chunk: np.ndarray,
+             placement: str = "loop") -> Schedule:
   """Completes op tables into a Schedule by giving each value a buffer slot.
 
   Every value lives from its write to its last read; each takes the lowest
@@ -169,23 +212,27 @@ def from_ops(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   """
   op, mb, chunk = (np.asarray(t, np.int32) for t in (op, mb, chunk))
   tables = {field: np.full(op.shape, -1, np.int32) for field in SLOT_FIELDS}
-  for events in _value_events(num_stages, num_chunks, op, mb, chunk).values():
+  for events in _value_events(num_stages, num_chunks, op, mb, chunk, placement).values():
     slot_of_value = _assign_slots(events, num_stages)
     for index, column in enumerate(SLOT_FIELDS):
       here = events.column == index
       tables[column][events.tick[here], events.stage[here]] = slot_of_value[events.value[here]]
-  return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables)
+  return Schedule(name, num_stages, num_microbatches, num_chunks, op, mb, chunk, **tables,
+                  placement=placement)
 
 
 # What an op of chunk c at tick t writes or reads: (its kind, the buffer, the
 # value's chunk as c + offset, the column of SLOT_FIELDS, the tick as t +
 # offset, the chunks c it applies to: "any", "last" (c = P V - 1), "not
-# first" or "not last", and whether only a table with B ops has it: a
-# forward-only table stashes nothing). A cell's events are met in this
-# order, which breaks ties between values that start at the same tick.
+# first" or "not last", "down" and "up" (its value's chunk on the way down
+# or up the V: every value is "down" in a "loop" table), and whether only a
+# table with B ops has it: a forward-only table stashes nothing). A cell's
+# events are met in this order, which breaks ties between values that start
+# at the same tick.
 _EVENT_RULES = (
     (F, "act", 0, "act_slot", 0, "not first", False),
-    (F, "act", 1, "act_recv_slot", 1, "not last", False),
+    (F, "act", 1, "act_recv_slot", 1, "next down", False),
+    (F, "act", 1, "act_recv2_slot", 1, "next up", False),
     (F, "res", 0, "res_slot", 0, "any", True),
     (F, "head_res", 0, "head_res_slot", 0, "last", True),
     (B, "res", 0, "res_slot", 0, "any", True),
@@ -193,7 +240,8 @@ _EVENT_RULES = (
     (B, "grad", 0, "grad_slot", 0, "not last", True),
     (B, "head_res", 0, "head_res_slot", 0, "last", True),
     (B, "head_cut", 0, "head_cut_slot", 0, "last", True),
-    (B, "grad", -1, "grad_recv_slot", 1, "not first", True),
+    (B, "grad", -1, "grad_recv_slot", 1, "previous down", True),
+    (B, "grad", -1, "grad_recv2_slot", 1, "previous up", True),
     (W, "res", 0, "res_slot", 0, "any", True),
     (W, "cut", 0, "cut_slot", 0, "any", True),
     (W, "head_res", 0, "head_res_slot", 0, "last", True),
@@ -217,14 +265,17 @@ class _Events:
 
 
 def _value_events(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
-                  chunk: np.ndarray) -> dict[str, _Events]:
+                  chunk: np.ndarray, placement: str = "loop") -> dict[str, _Events]:
   """buffer -> its `_Events`, read off the op tables by `_EVENT_RULES`."""
   num_ticks, last = op.shape[0], num_stages * num_chunks - 1
   cell_tick, cell_stage = np.nonzero(op != IDLE)  # tick-major, as the walk goes
   kind, cell_mb = op[cell_tick, cell_stage], mb[cell_tick, cell_stage]
-  c = chunk[cell_tick, cell_stage] * num_stages + cell_stage
+  c = global_chunks(placement, num_stages, cell_stage, chunk[cell_tick, cell_stage])
   has_backward = bool((kind == B).any())
-  where = {"any": c >= 0, "last": c == last, "not first": c > 0, "not last": c < last}
+  turn = num_stages if placement == "v" else last + 1  # the first chunk on the way up
+  where = {"any": c >= 0, "last": c == last, "not first": c > 0, "not last": c < last,
+           "next down": c + 1 < turn, "next up": (c + 1 >= turn) & (c < last),
+           "previous down": (c > 0) & (c - 1 < turn), "previous up": c - 1 >= turn}
   parts = {buffer: [] for buffer in BUFFERS}
   for rule, (rule_kind, buffer, c_offset, column, tick_offset, chunks, backward) in enumerate(
       _EVENT_RULES):
@@ -245,18 +296,19 @@ def _value_events(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarr
     _, first, value = np.unique(value_c * (int(mb.max()) + 1) + value_mb, return_index=True,
                                 return_inverse=True)
     as_met = np.argsort(np.argsort(first))
-    events[buffer] = _Events(value_c % num_stages, value_mb, value_c // num_stages, column,
-                             tick, as_met[value.ravel()])
+    value_stage, value_v = stage_chunks(placement, num_stages, value_c)
+    events[buffer] = _Events(value_stage, value_mb, value_v, column, tick, as_met[value.ravel()])
   return events
 
 
 def value_uses(num_stages: int, num_chunks: int, op: np.ndarray, mb: np.ndarray,
-               chunk: np.ndarray) -> dict[str, dict[tuple[int, int, int], list[tuple[str, int]]]]:
+               chunk: np.ndarray, placement: str = "loop"
+               ) -> dict[str, dict[tuple[int, int, int], list[tuple[str, int]]]]:
   """buffer -> {(stage, mb, chunk): [(column, tick), ...]}: what
   `from_ops` places, for `checks` to replay."""
   uses = {buffer: {} for buffer in BUFFERS}
   for buffer, e in _value_events(num_stages, num_chunks, np.asarray(op), np.asarray(mb),
-                                 np.asarray(chunk)).items():
+                                 np.asarray(chunk), placement).items():
     for stage, mb_, v, column, tick in zip(*(a.tolist() for a in (
         e.stage, e.mb, e.chunk, e.column, e.tick))):
       uses[buffer].setdefault((stage, mb_, v), []).append((SLOT_FIELDS[column], tick))
@@ -417,6 +469,54 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
                       [3 * p - 2 * s - 2 for s in range(p)])
 
 
+def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
+  """ZB-V (Qi et al. 2023, section 6; 2024's V-ZB): 2P chunks on the V, each
+  F, B and W of a chunk half a stage's. Each tick a stage runs a B whose
+  output gradient is there (the oldest microbatch first), else an F whose
+  input is there (the chunk on the way up first) while it holds fewer than
+  2P chunks' activations awaiting their W, 1F1B's peak (P microbatches of a
+  whole stage's layers), else the oldest W. With F = B = W its bubble
+  is zero once the microbatches fill the V; its sends are twice 1F1B's."""
+  _check_sizes(num_stages, num_microbatches, 2)
+  p, m = num_stages, num_microbatches
+  last, holds = 2 * p - 1, 2 * p
+  done: dict[tuple[int, int, int], int] = {}  # (kind, mb, global chunk) -> tick
+  chunks = [(global_chunks("v", p, s, 1), global_chunks("v", p, s, 0)) for s in range(p)]
+  awaiting_w = [[] for _ in range(p)]  # (mb, c) in the order their B ran
+  held, rows, left = [0] * p, [], 3 * m * 2 * p
+  while left:
+    tick, row = len(rows), []
+
+    def ran(key) -> bool:
+      return done.get(key, tick) < tick
+    for s in range(p):
+      b = next(((mb, c) for mb in range(m) for c in chunks[s]
+                if (B, mb, c) not in done and ran((F, mb, c))
+                and (c == last or ran((B, mb, c + 1)))), None)
+      f = next(((mb, c) for c in chunks[s] for mb in range(m)
+                if (F, mb, c) not in done and (c == 0 or ran((F, mb, c - 1)))), None)
+      if b is not None:
+        row.append((B, *b))
+        awaiting_w[s].append(b)
+      elif f is not None and held[s] < holds:
+        row.append((F, *f))
+        held[s] += 1
+      elif awaiting_w[s]:
+        row.append((W, *awaiting_w[s].pop(0)))
+        held[s] -= 1
+      else:
+        row.append((IDLE, -1, -1))
+    ops = [(s, cell) for s, cell in enumerate(row) if cell[0] != IDLE]
+    if not ops:
+      raise ValueError(f"zb_v: nothing can run at tick {tick}")
+    done.update(dict.fromkeys((cell for _, cell in ops), tick))
+    left -= len(ops)
+    rows.append([(kind, mb, -1 if kind == IDLE else stage_chunks("v", p, c)[1])
+                 for kind, mb, c in row])
+  table = np.array(rows, np.int32)
+  return from_ops("zb_v", p, m, 2, table[..., 0], table[..., 1], table[..., 2], "v")
+
+
 def forward_only(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
   """Forwards only (evaluation): GPipe's forward wave, nothing stashed."""
   _check_sizes(num_stages, num_microbatches, num_chunks)
@@ -455,7 +555,10 @@ def check(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1
     raise ArgumentError("name", f"unknown pipeline schedule {name!r}: choose one of "
                         f"{', '.join(SCHEDULE_NAMES)}")
   _check_sizes(num_stages, num_microbatches, num_chunks)
-  if name != "interleaved_1f1b" and num_chunks != 1:
+  if name in V_SCHEDULES and num_chunks != 2:
+    raise ArgumentError("num_chunks", f"{name} runs two chunks per stage (the V), got "
+                        f"num_chunks={num_chunks}: use 2")
+  if name not in (*V_SCHEDULES, "interleaved_1f1b") and num_chunks != 1:
     raise ArgumentError("num_chunks", f"{name} runs one chunk per stage, got num_chunks="
                         f"{num_chunks}: use interleaved_1f1b or num_chunks=1")
   if name == "interleaved_1f1b":
@@ -466,7 +569,8 @@ def _build(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -
   check(name, num_stages, num_microbatches, num_chunks)
   if name == "interleaved_1f1b":
     return interleaved_one_f_one_b(num_stages, num_microbatches, num_chunks)
-  builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2}
+  builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2,
+              "zb_v": zb_v}
   return builders[name](num_stages, num_microbatches)
 
 
