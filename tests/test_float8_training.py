@@ -161,7 +161,8 @@ def updates(initial, final) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", tiered(COMPOSITIONS, quick=[
-    "rowwise fsdp=2 x tensor=2 x data=2 Megatron-SP"]))
+    "rowwise fsdp=2 x tensor=2 x data=2 Megatron-SP",
+    "blockwise fsdp=2 x tensor=2 x data=2 Megatron-SP, accumulate 2"]))
 def test_float8_on_a_mesh_equals_float8_on_one_device(case):
   changes = {**SGD, **COMPOSITIONS[case]}
   cfg = micro_config(**changes)

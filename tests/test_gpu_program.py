@@ -258,6 +258,7 @@ def test_float8_runs_every_projection_gemm_in_float8_and_only_the_head_in_bfloat
   assert gradients == (2 * projections // 3 if recipe == "tensorwise" else 0)
 
 
+@pytest.mark.slow  # 4 compiles of the GPU program, 12 s
 def test_blockwise_float8_quantizes_by_blocks_and_multiplies_in_bfloat16():
   """What XLA builds for `blockwise` on Hopper: each operand rounded to e4m3
   by blocks (the program converts to float8, which the GPU compiler drops
@@ -275,6 +276,7 @@ def test_blockwise_float8_quantizes_by_blocks_and_multiplies_in_bfloat16():
   assert float8_gather_savings(**changes) == (0, 0)
 
 
+@pytest.mark.slow  # 4 compiles of the GPU program, 25 s
 def test_float8_reaches_each_multi_token_prediction_modules_block():
   """A multi-token prediction module's block has the layers' projections:
   under `config.float8` their GEMMs run in float8 too, and their weights are

@@ -208,6 +208,7 @@ def test_init_from_starts_a_run_from_the_hf_weights_bit_for_bit(tmp_path):
              if np.ndim(x) > 0)  # fresh Adam moments
 
 
+@pytest.mark.slow  # trains and exports, 6 s
 def test_export_after_float8_training_is_the_master_weights_in_bfloat16(tmp_path):
   """Float8 training quantizes the GEMMs' operands as they run, never the
   weights it keeps: after two tensorwise steps the bfloat16 export is the
