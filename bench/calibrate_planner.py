@@ -63,11 +63,18 @@ def golden_section(f, low: float, high: float, tolerance: float = 1e-4) -> float
   return (a + b) / 2
 
 
-def main():
-  fit = Fit()
+def fitted(fit: Fit) -> tuple[float, float]:
+  """The kernel efficiency (to the 4 digits written) and the elementwise
+  passes that minimize `fit.loss`: what meshtrain/planner/calibration.py
+  must hold (tests/test_search.py checks it)."""
   best = min(((golden_section(lambda e: fit.loss(e, p), 0.2, 1.0), p) for p in PASSES),
              key=lambda point: fit.loss(*point))
-  efficiency, passes = round(best[0], 4), best[1]
+  return round(best[0], 4), best[1]
+
+
+def main():
+  fit = Fit()
+  efficiency, passes = fitted(fit)
   names = tuple(run.name for run, _ in fit.models)
   source = TARGET.read_text()
   head = source[:source.index("KERNEL_EFFICIENCY =")]

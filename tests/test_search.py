@@ -3,6 +3,7 @@ speed, its command line, and the published runs it must keep agreeing with
 (docs/planner.md)."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -287,6 +288,18 @@ def test_recomputation_gains_no_more_on_megatrons_1t_mesh_than_the_team_measured
   measured = 0.563 * 312 / (run.tflops * full.model_flops / full.hardware_flops)
   assert measured == pytest.approx(1.44, abs=0.01)
   assert 1 < full.step_s / selective.step_s <= measured
+
+
+@pytest.mark.slow  # the whole fit: 31 golden-section searches over the calibration rows, 12 s
+def test_the_committed_constants_are_what_the_calibration_fits():
+  """meshtrain/planner/calibration.py holds bench/calibrate_planner.py's
+  output for today's model, to the digits it writes."""
+  spec = importlib.util.spec_from_file_location("calibrate_planner",
+                                                REPO / "bench" / "calibrate_planner.py")
+  calibrate = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(calibrate)
+  assert calibrate.fitted(calibrate.Fit()) == (calibration.KERNEL_EFFICIENCY,
+                                               calibration.ELEMENTWISE_PASSES)
 
 
 def test_calibration_and_validation_rows_never_meet():

@@ -7,8 +7,8 @@ KERNEL_EFFICIENCY: the share of peak FLOP/s a bf16 step's matmuls (and the
 ELEMENTWISE_PASSES: how often the elementwise work of a layer reads or writes
   the activations its matmuls produce (bf16, at the HBM bandwidth)."""
 
-KERNEL_EFFICIENCY = 0.7965
-ELEMENTWISE_PASSES = 16.0
+KERNEL_EFFICIENCY = 0.8216
+ELEMENTWISE_PASSES = 18.0
 FITTED_ON = (
     'Megatron-LM GPT 3.6B',
     'Megatron-LM GPT 7.5B',
