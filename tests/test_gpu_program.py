@@ -262,7 +262,8 @@ def test_float8_runs_every_projection_gemm_in_float8_and_only_the_head_in_bfloat
 def test_blockwise_float8_quantizes_by_blocks_and_multiplies_in_bfloat16():
   """What XLA builds for `blockwise` on Hopper: each operand rounded to e4m3
   by blocks (the program converts to float8, which the GPU compiler drops
-  without `block_dequantized`'s barrier), then every GEMM a bfloat16 one, and the layers' weights gathered in bfloat16: XLA has no GEMM whose
+  without `block_dequantized`'s barrier), then every GEMM a bfloat16 one,
+  and the layers' weights gathered in bfloat16: XLA has no GEMM whose
   scales change along the contraction, so blockwise buys DeepSeek-V3's
   numerics, not float8's speed or bytes; `plan` counts it so."""
   changes = {"mesh.fsdp": 8, "float8": "blockwise"}

@@ -156,12 +156,13 @@ def assert_equals_diloco_written_out(changes):
   batches = random_batches(4, cfg.global_batch, cfg.seq_len, cfg.model.vocab_size)
   initial, losses, state = run(setup, batches)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  ref_losses, ref_params = diloco_reference(setup.spec.graphdef, from_stage_slots(setup.run.layout, initial),
+  layout = setup.run.layout
+  ref_losses, ref_params = diloco_reference(setup.spec.graphdef, from_stage_slots(layout, initial),
                                             setup.optimizer, outer, batches, replicas=2,
                                             inner_steps=2,
-                                            model_state=from_stage_slots(setup.run.layout, state.model_state))
+                                            model_state=from_stage_slots(layout, state.model_state))
   chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(from_stage_slots(setup.run.layout, state.outer.params), ref_params, rtol=1e-5,
+  chex.assert_trees_all_close(from_stage_slots(layout, state.outer.params), ref_params, rtol=1e-5,
                               atol=1e-3 * cfg.optimizer.learning_rate)
 
 

@@ -367,7 +367,8 @@ def test_float8_gemms_move_one_byte_operands_and_pay_the_quantizer():
                                                 "global_batch": 8, "float8": recipe}), h100)
                for recipe in ("none", "tensorwise"))
   flops = sum(3 * 2 * t * k * n for t, k, n in shapes)
-  extra = m.num_layers * (moved / h100.memory_bandwidth - flops / (h100.float8_flops * fp8.efficiency)
+  extra = m.num_layers * (moved / h100.memory_bandwidth
+                          - flops / (h100.float8_flops * fp8.efficiency)
                           + flops / (h100.peak_flops * bf16.efficiency))
   assert (fp8.memory_bound_s(c, c.config(fp8.cfg)) - bf16.memory_bound_s(c, c.config(bf16.cfg))
           == pytest.approx(extra))

@@ -177,8 +177,9 @@ def analytic(cfg, spec, rules: r.ShardingRules, mesh, activations: int | None = 
 def _gathered_bytes(names: tuple, cfg, param_bytes: int) -> int:
   """Bytes an element of a weight is all-gathered in: a projection under a
   `config.float8` recipe of float8 GEMMs (`float8.float8_gemms`,
-  `float8.runs_in_float8`) in float8, quantized on its shard before the gather (where XLA puts the quantization: docs/float8.md),
-  else the working dtype."""
+  `float8.runs_in_float8`) in float8, quantized on its shard before the
+  gather (where XLA puts the quantization: docs/float8.md), else the
+  working dtype."""
   return 1 if float8.float8_gemms(cfg.float8) and float8.runs_in_float8(names) else param_bytes
 
 

@@ -472,44 +472,50 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
 def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
   """ZB-V (Qi et al. 2023, section 6; 2024's V-ZB): 2P chunks on the V, each
   F, B and W of a chunk half a stage's. Each tick a stage runs a B whose
-  output gradient is there (the oldest microbatch first), else an F whose
-  input is there (the chunk on the way up first) while it holds fewer than
-  2P chunks' activations awaiting their W, 1F1B's peak (P microbatches of a
-  whole stage's layers), else the oldest W. With F = B = W its bubble
-  is zero once the microbatches fill the V; its sends are twice 1F1B's."""
+  output gradient is there (the oldest microbatch first, then the chunk on
+  the way up), else an F whose input is there (the chunk on the way up
+  first) while it holds fewer than 2P chunks' activations awaiting their W,
+  1F1B's peak (P microbatches of a whole stage's layers), else the oldest W.
+  Each chunk runs its microbatches' F and B in order. The paper's bubble at
+  F = B = W is zero; in lock step it is (P - 1)/(6M + P - 1) once M >= 2P
+  (docs/pipeline.md). Its sends are twice 1F1B's."""
   _check_sizes(num_stages, num_microbatches, 2)
   p, m = num_stages, num_microbatches
   last, holds = 2 * p - 1, 2 * p
   done: dict[tuple[int, int, int], int] = {}  # (kind, mb, global chunk) -> tick
+  next_f, next_b = [0] * (2 * p), [0] * (2 * p)  # per global chunk, its next microbatch
   chunks = [(global_chunks("v", p, s, 1), global_chunks("v", p, s, 0)) for s in range(p)]
   awaiting_w = [[] for _ in range(p)]  # (mb, c) in the order their B ran
-  held, rows, left = [0] * p, [], 3 * m * 2 * p
+  rows, left = [], 3 * m * 2 * p
   while left:
     tick, row = len(rows), []
 
     def ran(key) -> bool:
       return done.get(key, tick) < tick
     for s in range(p):
-      b = next(((mb, c) for mb in range(m) for c in chunks[s]
-                if (B, mb, c) not in done and ran((F, mb, c))
-                and (c == last or ran((B, mb, c + 1)))), None)
-      f = next(((mb, c) for c in chunks[s] for mb in range(m)
-                if (F, mb, c) not in done and (c == 0 or ran((F, mb, c - 1)))), None)
-      if b is not None:
-        row.append((B, *b))
-        awaiting_w[s].append(b)
-      elif f is not None and held[s] < holds:
-        row.append((F, *f))
-        held[s] += 1
+      ready_b = [(next_b[c], c) for c in chunks[s] if next_b[c] < next_f[c]
+                 and ran((F, next_b[c], c)) and (c == last or ran((B, next_b[c], c + 1)))]
+      ready_f = [(next_f[c], c) for c in chunks[s]
+                 if next_f[c] < m and (c == 0 or ran((F, next_f[c], c - 1)))]
+      held = sum(next_f[c] for c in chunks[s]) - sum(next_b[c] for c in chunks[s]) + len(
+          awaiting_w[s])
+      if ready_b:
+        mb, c = min(ready_b, key=lambda item: item[0])
+        row.append((B, mb, c))
+        next_b[c] += 1
+        awaiting_w[s].append((mb, c))
+      elif ready_f and held < holds:
+        mb, c = ready_f[0]
+        row.append((F, mb, c))
+        next_f[c] += 1
       elif awaiting_w[s]:
         row.append((W, *awaiting_w[s].pop(0)))
-        held[s] -= 1
       else:
         row.append((IDLE, -1, -1))
-    ops = [(s, cell) for s, cell in enumerate(row) if cell[0] != IDLE]
+    ops = [cell for cell in row if cell[0] != IDLE]
     if not ops:
       raise ValueError(f"zb_v: nothing can run at tick {tick}")
-    done.update(dict.fromkeys((cell for _, cell in ops), tick))
+    done.update(dict.fromkeys(ops, tick))
     left -= len(ops)
     rows.append([(kind, mb, -1 if kind == IDLE else stage_chunks("v", p, c)[1])
                  for kind, mb, c in row])
