@@ -296,6 +296,35 @@ def test_float8_reaches_each_multi_token_prediction_modules_block():
   assert planned == pytest.approx(compiled, rel=0.15)
 
 
+# Multi-head Latent Attention at GPU_MICRO's width: a query latent 128 wide,
+# a key-value latent 64, heads of 64 + 32 rotated dimensions, values 64 wide.
+GPU_MLA = {"model.mla.kv_lora_rank": 64, "model.mla.q_lora_rank": 128,
+           "model.mla.rope_head_dim": 32, "model.mla.v_head_dim": 64}
+
+
+@pytest.mark.slow  # 2 compiles of the GPU program
+def test_float8_runs_latent_attentions_up_projections_and_keeps_its_down_projections():
+  """Under `config.float8` MLA's query and key-value up-projections and its
+  output projection (with the MLP's two) have float8 forward, input-gradient
+  and weight-gradient GEMMs; the two down-projections to the latents keep
+  theirs in bfloat16 (4 a layer: both read x, and XLA merges two pairs of
+  their 6), beside the head's 3 (docs/float8.md): the bfloat16 program's
+  GEMMs, the projections' now float8. The up-projections' weights, split by
+  fsdp on their latent dimension, are gathered in float8, which `plan`
+  counts (`float8.runs_in_float8`)."""
+  changes = {"mesh.fsdp": 8, **GPU_MLA, "float8": "tensorwise"}
+  setup, _, kernels = program("h100:1x8", **changes)
+  bfloat16 = program("h100:1x8", **{"mesh.fsdp": 8, **GPU_MLA})[2]
+  layers = setup.cfg.model.num_layers
+  gemm_count = lambda kernels: sum(k["count"] for k in kernels  # noqa: E731
+                                   if k["kernel"] != gpu_program.FLASH_ATTENTION)
+  assert float8_gemms(kernels) == 3 * 5 * layers
+  assert gemm_count(kernels) - float8_gemms(kernels) == 4 * layers + 3
+  assert gemm_count(kernels) == gemm_count(bfloat16)
+  planned, compiled = float8_gather_savings(**changes)
+  assert planned == pytest.approx(compiled, rel=0.02)
+
+
 def test_gpu_steps_compile_with_the_overlap_options_and_cpu_steps_without():
   setup, _, _ = program("h100:1x8", **{"mesh.fsdp": 8})
   assert xla_options.for_mesh(setup.mesh) == xla_options.GPU

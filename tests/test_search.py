@@ -468,23 +468,42 @@ def test_mt_nlgs_three_step_times_put_two_sequences_in_a_microbatch():
   assert all(run.microbatches * 2 == run.global_batch / run.mesh["data"] for run in runs)
 
 
-def test_float8_runs_the_projections_at_the_float8_peak_where_the_cluster_has_one():
+# Multi-head Latent Attention on the micro model: a query latent 24 wide, a
+# key-value latent 16, heads of 8 + 4 rotated dimensions, values 6 wide.
+MLA = {"model.num_kv_heads": 4, "model.mla.kv_lora_rank": 16, "model.mla.q_lora_rank": 24,
+       "model.mla.rope_head_dim": 4, "model.mla.v_head_dim": 6}
+
+
+def float8_projection_weights(m) -> int:
+  """A layer's weights whose GEMMs run in float8 (docs/float8.md), from the
+  widths: q, k, v, out and the MLP's three, or under MLA its query and
+  key-value up-projections and out (its down-projections stay bfloat16)."""
+  d, n, h, latent = m.embed_dim, m.num_heads, m.head_dim, m.mla
+  mlp = 3 * d * m.mlp_dim
+  if not latent.kv_lora_rank:
+    return d * h * (2 * n + 2 * m.num_kv_heads) + mlp
+  return (latent.q_lora_rank * n * (h + latent.rope_head_dim)
+          + latent.kv_lora_rank * n * (h + latent.v_head_dim) + n * latent.v_head_dim * d + mlp)
+
+
+@pytest.mark.parametrize("model", [{}, MLA], ids=["dense", "MLA"])
+def test_float8_runs_the_projections_at_the_float8_peak_where_the_cluster_has_one(model):
   """Under `config.float8` the projections' FLOPs (6 a weight of them a
   token, counted here from the widths) run at the H100's 1,979 TFLOP/s and
-  the rest of a token's FLOPs at its 989; an A100, without float8 GEMMs,
-  computes as in bfloat16, and so does blockwise, whose GEMMs are bfloat16
-  ones (tests/test_gpu_program.py)."""
-  cfg = micro_config(**{"model.num_layers": 4})
+  the rest of a token's FLOPs (MLA's down-projections among them) at its
+  989; an A100, without float8 GEMMs, computes as in bfloat16, and so does
+  blockwise, whose GEMMs are bfloat16 ones (tests/test_gpu_program.py)."""
+  cfg = micro_config(**{"model.num_layers": 4, **model})
   m = cfg.model
-  projections = m.num_layers * (m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-                                + 3 * m.embed_dim * m.mlp_dim)
+  projections = m.num_layers * float8_projection_weights(m)
   c = search.Candidate((("data", 8), ("pipeline", 1), ("fsdp", 1), ("sequence", 1),
                         ("tensor", 1)))
   for name, recipe, expected in (("h100", "tensorwise", None), ("a100_80gb", "tensorwise", 1.0),
                                  ("h100", "blockwise", 1.0)):
     cluster = clusters.PRESETS[name]
-    bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 4, "float8": chosen}),
-                                  cluster) for chosen in ("none", recipe))
+    bf16, fp8 = (search.StepModel(micro_config(**{"model.num_layers": 4, **model,
+                                                  "float8": chosen}), cluster)
+                 for chosen in ("none", recipe))
     share = 6 * projections / bf16.flops_per_token
     ratio = expected or (1 - share) + share * cluster.peak_flops / cluster.float8_flops
     flops_s = lambda model: model.chunk_work(c, c.config(model.cfg))[0, 0] - model.memory_bound_s(

@@ -260,9 +260,10 @@ class LatentAttention(Attention):
     if m.q_lora_rank:
       q_BxLxR = _latent_matmul("bld,dr->blr", x_BxLxD, self.wq_down_DxR[...])
       q_BxLxR = self.q_latent_norm(checkpoint_name(q_BxLxR, QKV))
-      q_BxLxNxH = weight_matmul("blr,rnh->blnh", q_BxLxR, self.wq_up_RxNxH[...])
+      q_BxLxNxH = weight_matmul("blr,rnh->blnh", q_BxLxR, self.wq_up_RxNxH[...],
+                                float8=cfg.float8)
     else:
-      q_BxLxNxH = weight_matmul("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...])
+      q_BxLxNxH = weight_matmul("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...], float8=cfg.float8)
     q_BxLxNxH = checkpoint_name(q_BxLxNxH, QKV)
     return jnp.concatenate([q_BxLxNxH[..., :cfg.head_dim],
                             self._rotate(q_BxLxNxH[..., cfg.head_dim:], positions_BxL)], axis=-1)
@@ -283,8 +284,8 @@ class LatentAttention(Attention):
     qk, _, width = mla.widths(cfg)
     q_BxLxNxH = self.query(x_BxLxD, positions_BxL)
     c_BxLxC, k_rope_BxLxR = self.latent(x_BxLxD, positions_BxL)
-    kv_BxLxNxH = checkpoint_name(weight_matmul("blc,cnh->blnh", c_BxLxC, self.wkv_up_CxNxH[...]),
-                                 QKV)
+    kv_BxLxNxH = checkpoint_name(weight_matmul("blc,cnh->blnh", c_BxLxC, self.wkv_up_CxNxH[...],
+                                               float8=cfg.float8), QKV)
     k_BxLxNxH = jnp.concatenate([kv_BxLxNxH[..., :cfg.head_dim], jnp.broadcast_to(
         k_rope_BxLxR[:, :, None], (*kv_BxLxNxH.shape[:3], k_rope_BxLxR.shape[-1]))], axis=-1)
     scale = mla.query_scale(qk, width, cfg.rope_scaling)
@@ -317,7 +318,8 @@ class LatentAttention(Attention):
 
   def project_out(self, out_BxLxNxH: jax.Array) -> jax.Array:
     v = self.cfg.mla.v_head_dim
-    return weight_matmul("blnh,nhd->bld", out_BxLxNxH[..., :v], self.wo_NxHxD[...])
+    return weight_matmul("blnh,nhd->bld", out_BxLxNxH[..., :v], self.wo_NxHxD[...],
+                         float8=self.cfg.float8)
 
 
 class Block(nnx.Module):

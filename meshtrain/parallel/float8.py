@@ -63,10 +63,14 @@ CHOICES = ("none", *RECIPES)
 # The logical names of the weights whose matmuls `config.float8` runs in
 # float8: every block's projections (attention's q, k, v and output, the
 # MLP's gate, up and down; the stacked layers' and each multi-token
-# prediction module's), each a width of the residual stream (`embed`) by one
-# of these. The embedding, the head and a module's input projection (embed
-# by embed) stay in the working dtype.
+# prediction module's), each a width of the residual stream (`embed`), or
+# Multi-head Latent Attention's latent (its up-projections), by one of these.
+# The embedding, the head and a module's input projection (embed by embed)
+# stay in the working dtype, and so do MLA's down-projections (embed by
+# latent): their narrow outputs (576 and 1,536 wide in DeepSeek-V3) leave
+# the GEMMs bound by reading x, which the quantizer would read twice more.
 PROJECTION_WIDTHS = frozenset({r.HEADS, r.KV_HEADS, r.MLP})
+PROJECTION_INPUTS = frozenset({r.EMBED, r.LATENT})
 
 
 def float8_gemms(recipe: str) -> bool:
@@ -78,8 +82,9 @@ def float8_gemms(recipe: str) -> bool:
 
 def runs_in_float8(names: tuple) -> bool:
   """Whether the weight of logical `names` is one of the projections (by
-  `PROJECTION_WIDTHS`) whose GEMMs run in float8 under `config.float8`."""
-  return r.EMBED in names and not PROJECTION_WIDTHS.isdisjoint(names)
+  `PROJECTION_INPUTS` and `PROJECTION_WIDTHS`) whose GEMMs run in float8
+  under `config.float8`."""
+  return not (PROJECTION_INPUTS.isdisjoint(names) or PROJECTION_WIDTHS.isdisjoint(names))
 
 
 def quantize(x: jax.Array, dtype, axes: tuple[int, ...] | None,

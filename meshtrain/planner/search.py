@@ -376,16 +376,19 @@ class StepModel:
                                                  cfg.seq_len)
     moe = self.model_cfg.moe
     routed = moe.experts_per_token / moe.num_experts if moe.num_experts else 1.0
-    layer_params = sum(  # stacked matrices, not norm scales; of the routed experts, k of E
-        x.size * (routed if getattr(path[-1], "key", "") in flops.ROUTED else 1.0)
-        for path, x in jax.tree_util.tree_leaves_with_path(self.spec.abstract_params["layers"])
-        if x.ndim > 2)
+    layers = self.spec.abstract_params["layers"]
+    matrices = [  # stacked matrices, not norm scales; of the routed experts, k of E
+        (x.size * (routed if getattr(path[-1], "key", "") in flops.ROUTED else 1.0), names)
+        for (path, x), names in zip(jax.tree_util.tree_leaves_with_path(layers), jax.tree.leaves(
+            self.spec.names["layers"], is_leaf=lambda n: isinstance(n, tuple))) if x.ndim > 2]
+    layer_params = sum(size for size, _ in matrices)
     self.layer_weights = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
                              ) / m.num_layers  # one layer's, all experts
     self.attention_forward = flops.attention_per_token(
         dataclasses.replace(self.model_cfg, mtp_layers=0), cfg.seq_len)  # the layers'
     self.layer_forward = 2 * layer_params + self.attention_forward
-    self.peak_flops = self._peak_flops(cfg, cluster, 6 * layer_params)
+    self.peak_flops = self._peak_flops(cfg, cluster, 6 * sum(
+        size for size, names in matrices if float8.runs_in_float8(names)))
     # The head's matmul a token, forward and backward, and the multi-token
     # prediction modules', and that in layers (of the model's average one):
     # the last pipeline chunk's work beyond its own.
@@ -405,7 +408,7 @@ class StepModel:
     on a cluster with them, the projections' share of a token's FLOPs
     (`projection_flops` of `flops_per_token`, its forward and backward; a
     recomputed forward has the same mix) at the float8 peak and the rest
-    (attention's scores, the head) at bfloat16's."""
+    (attention's scores, the head, MLA's down-projections) at bfloat16's."""
     if not float8.float8_gemms(cfg.float8) or not cluster.float8_flops:
       return cluster.peak_flops
     share = projection_flops / self.flops_per_token
@@ -423,25 +426,28 @@ class StepModel:
     forwards = {"none": 0.0, "selective": 0.0, "full": 1.0}[c.remat]
     return forwards * self.layer_forward + (c.remat == "selective") * self.attention_forward
 
-  def layer_gemms(self, c: Candidate, tokens: float) -> list[tuple[float, float, float]]:
+  def layer_gemms(self, c: Candidate, tokens: float) -> tuple[list, list]:
     """One layer's weight matmuls on one device, [m, k] x [k, n], for
     `tokens` tokens of one microbatch there: split by `tensor` (kv heads
     whole where it does not divide them); routed experts as the tokens
     each local expert receives; Multi-head Latent Attention's latents whole
-    on each device, as its down-projections are."""
+    on each device, as its down-projections are. Two lists: the
+    projections, and MLA's down-projections (in bfloat16 under every
+    `config.float8`: `float8.runs_in_float8`)."""
     m, t = self.cfg.model, c.sizes["tensor"]
     kv = m.num_kv_heads / t if m.num_kv_heads % t == 0 else m.num_kv_heads
     d, h = m.embed_dim, m.head_dim
     gemms = [(tokens, d, (m.num_heads / t + 2 * kv) * h), (tokens, m.num_heads / t * h, d)]
+    downs = []
     if m.mla.kv_lora_rank:
       latent, (qk, v, _), heads = m.mla, mla.widths(m), m.num_heads / t
-      gemms = ([(tokens, d, latent.q_lora_rank), (tokens, latent.q_lora_rank, heads * qk)]
-               if latent.q_lora_rank else [(tokens, d, heads * qk)]) + [
-          (tokens, d, latent.kv_lora_rank + latent.rope_head_dim),
-          (tokens, latent.kv_lora_rank, heads * (h + v)), (tokens, heads * v, d)]
+      downs = [(tokens, d, latent.q_lora_rank)] * bool(latent.q_lora_rank) + [
+          (tokens, d, latent.kv_lora_rank + latent.rope_head_dim)]
+      gemms = [(tokens, latent.q_lora_rank or d, heads * qk),
+               (tokens, latent.kv_lora_rank, heads * (h + v)), (tokens, heads * v, d)]
     moe = self.model_cfg.moe
     if not moe.num_experts:
-      return gemms + [(tokens, d, 2 * m.mlp_dim / t), (tokens, m.mlp_dim / t, d)]
+      return gemms + [(tokens, d, 2 * m.mlp_dim / t), (tokens, m.mlp_dim / t, d)], downs
     split = self.expert_split(c)
     local = moe.num_experts / split
     routed = tokens * split * moe.experts_per_token / moe.num_experts  # per local expert
@@ -449,19 +455,20 @@ class StepModel:
     gemms += [(routed, d, 2 * width), (routed, width, d)] * int(local)
     if moe.shared_mlp_dim:
       gemms += [(tokens, d, 2 * moe.shared_mlp_dim / t), (tokens, moe.shared_mlp_dim / t, d)]
-    return gemms
+    return gemms, downs
 
-  def gemm_excess_s(self, c: Candidate, gemms: list, passes: int) -> float:
+  def gemm_excess_s(self, c: Candidate, gemms: list, passes: int, projections: bool) -> float:
     """What the roofline adds to one pass of one layer's `gemms` over their
     FLOPs at the kernel efficiency (`memory_bound_s` counts `passes` of
-    them). Under a recipe of float8 GEMMs (on every projection: the only
-    GEMMs `config.float8` allows) they run at the float8 peak with one-byte
-    operands, and the quantizer's passes add, a pass's share of them: each
-    pass quantizes two of a GEMM's three matrices (forward x and w, input
-    gradient g and w, weight gradient x and g, a recomputed forward x and
-    w), a weight on its FSDP shard (XLA quantizes before the gather)."""
+    them). The `projections`' GEMMs, under a recipe of float8 GEMMs, run at
+    the float8 peak with one-byte operands, and the quantizer's passes add,
+    a pass's share of them: each pass quantizes two of a GEMM's three
+    matrices (forward x and w, input gradient g and w, weight gradient x and
+    g, a recomputed forward x and w), a weight on its FSDP shard (XLA
+    quantizes before the gather)."""
     cluster = self.cluster
-    in_float8 = float8.float8_gemms(self.cfg.float8) and bool(cluster.float8_flops)
+    in_float8 = (projections and float8.float8_gemms(self.cfg.float8)
+                 and bool(cluster.float8_flops))
     peak = cluster.float8_flops if in_float8 else cluster.peak_flops
     excess = sum(costs.gemm_seconds(*g, peak, cluster.memory_bandwidth, self.efficiency,
                                     1 if in_float8 else 2)
@@ -489,8 +496,10 @@ class StepModel:
     tokens = rows * cfg.seq_len / sizes["sequence"]
     layers = cfg.model.num_layers / sizes["pipeline"]
     passes = 3 + (c.remat == "full")  # forward, two backward matmuls each, a recomputed forward
-    gemms = self.layer_gemms(c, tokens)
-    excess = self.gemm_excess_s(c, gemms, passes)
+    projections, downs = self.layer_gemms(c, tokens)
+    excess = (self.gemm_excess_s(c, projections, passes, projections=True)
+              + self.gemm_excess_s(c, downs, passes, projections=False))
+    gemms = projections + downs
     # The activations the layer's matmuls write, a token's share: a routed
     # expert writes its width on the rows it receives, not on every token.
     widths = sum(rows_in * n for rows_in, _, n in gemms) / tokens

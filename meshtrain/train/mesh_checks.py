@@ -128,9 +128,7 @@ def _check_float8(cfg, mesh: Mesh) -> None:
       # float8 takes for an axis of the batch's tokens
       ("local SGD's replicas in the pipeline (config.local_sgd.inner_steps)",
        mesh.shape["pipeline"] > 1 and cfg.local_sgd.inner_steps),
-      ("the experts' grouped GEMMs (config.model.moe.num_experts)", cfg.model.moe.num_experts),
-      ("Multi-head Latent Attention's projections (config.model.mla.kv_lora_rank)",
-       cfg.model.mla.kv_lora_rank)):
+      ("the experts' grouped GEMMs (config.model.moe.num_experts)", cfg.model.moe.num_experts)):
     if unbuilt:
       raise ConfigError("config.float8", f"{cfg.float8}: {why} do not run in float8 yet; set "
                         "config.float8=none for this model")
