@@ -51,6 +51,18 @@ def real_text(tmp_path_factory) -> Path:
   return corpus.real_text(tmp_path_factory.mktemp("text"))
 
 
+def cli_in_process(argv: list[str], capfd) -> tuple[int, str, str]:
+  """`meshtrain ARGV` run in this process (for a test of what a command
+  says, not of a fresh process): its exit code and what it wrote to file
+  descriptors 1 and 2 (by Python or by native code)."""
+  from meshtrain import cli
+  capfd.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    cli.run(argv)
+  out, err = capfd.readouterr()
+  return exit_info.value.code or 0, out, err
+
+
 # For a test that reads the buffers of a compiled CPU program (its copies,
 # its temporaries): XLA:CPU's default fusion emitters, as users compile it.
 USERS_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": True}

@@ -15,8 +15,8 @@ import shutil
 import pytest
 import tokenizers as hf_tokenizers
 
-from conftest import REPO, micro_config, micro_flags
-from meshtrain import cli, generate as generation, launch as launcher, validate
+from conftest import REPO, cli_in_process, micro_config, micro_flags
+from meshtrain import generate as generation, launch as launcher, validate
 from meshtrain.checkpoint import Checkpoints
 from meshtrain.data import make_iterator, tokenizer as tokenizers
 from meshtrain.errors import ConfigError
@@ -418,12 +418,9 @@ def tree_digest(root) -> dict[str, str]:
 
 
 def meshtrain(command: str, args: list[str], capfd) -> tuple[int, str]:
-  """Runs `meshtrain COMMAND ARGS` in this process: exit code and stderr, as
-  written to file descriptor 2 (by Python or by native code)."""
-  capfd.readouterr()
-  with pytest.raises(SystemExit) as exit_info:
-    cli.run([command, *args])
-  return exit_info.value.code, capfd.readouterr().err
+  """Runs `meshtrain COMMAND ARGS` in this process: exit code and stderr."""
+  code, _, err = cli_in_process([command, *args], capfd)
+  return code, err
 
 
 @pytest.mark.parametrize("command, args, key", CASES,

@@ -2,8 +2,6 @@
 templates, the assistant loss mask, the prepared directory and its batches, bad input."""
 
 import json
-import subprocess
-import sys
 from typing import NamedTuple
 
 import ml_collections
@@ -11,7 +9,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from conftest import REPO
+from conftest import cli_in_process
 from meshtrain.data import chat, make_iterator
 from meshtrain.data import prepare as p
 from meshtrain.data.tokens import PreparedCorpus
@@ -479,16 +477,16 @@ def test_a_corpus_without_an_assistant_turn_is_refused(chat_inputs, tmp_path):
                  "--input", "no conversation has an assistant turn", tmp_path)
 
 
-def test_cli_reports_a_refusing_template_on_one_line_and_writes_nothing(chat_inputs, tmp_path):
+def test_cli_reports_a_refusing_template_on_one_line_and_writes_nothing(chat_inputs, tmp_path,
+                                                                         capfd):
   tokenizer, _ = chat_inputs
   file = write_conversations(tmp_path / "chat.jsonl", [CONVERSATIONS[0], CONVERSATIONS[1]])
   before = sorted(tmp_path.rglob("*"))
-  result = subprocess.run(
-      [sys.executable, "-m", "meshtrain.cli", "prepare", "--format", "chat", "--input", str(file),
-       "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")],
-      capture_output=True, text=True, cwd=REPO, timeout=120)
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [
+  code, _, err = cli_in_process(["prepare", "--format", "chat", "--input", str(file),
+                                 "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")],
+                                capfd)
+  assert code == 2
+  assert err.strip().splitlines() == [
       f"error: --input: {file} line 2: the chat template in {tokenizer}/tokenizer_config.json "
       "refuses the conversation (System role not supported); fix the conversation or use a "
       "template that handles it"]

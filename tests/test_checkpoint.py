@@ -150,6 +150,7 @@ def _corrupt_copy(source, workdir):
     chunk.write_bytes(b"garbage")
 
 
+@pytest.mark.slow  # a process of its own
 def test_after_a_failed_restore_orbax_leftovers_stay_silent(straight, tmp_path):
   """Through the library, in a fresh process with a user's hooks and log
   handler: one error, then nothing of orbax's leftovers reaches them, while

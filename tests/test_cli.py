@@ -63,6 +63,7 @@ def test_text_data_trains_from_a_text_file_with_the_vocabulary_rounded_up_for_te
   assert saved["model"]["vocab_size"] == 258
 
 
+@pytest.mark.slow  # a process of its own
 def test_schedule_prints_json_and_draws(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "meshtrain.cli", "schedule", "--stages=4", "--microbatches=8",

@@ -354,6 +354,7 @@ def test_uneven_stages_import_and_export_bit_for_bit(tmp_path):
       np.testing.assert_array_equal(got[name], tensor, err_msg=name)
 
 
+@pytest.mark.slow  # two processes, then a third
 def test_import_and_export_commands(good_hf_dir, tmp_path):
   """Import on two processes of four devices (each reads only its devices'
   blocks), export from one: the tensors come back bit for bit."""

@@ -2,8 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import tokenizers
 
-from conftest import REPO
+from conftest import cli_in_process
 from meshtrain.data import prepare as p
 from meshtrain.data import tokenizer as tk
 from meshtrain.data.tokens import PreparedCorpus
@@ -154,14 +152,13 @@ def test_bad_input_names_the_flag_and_writes_nothing(tmp_path, case, key):
   assert sorted(tmp_path.rglob("*")) == before
 
 
-def test_cli_reports_bad_input_on_one_line_and_writes_nothing(tmp_path):
+def test_cli_reports_bad_input_on_one_line_and_writes_nothing(tmp_path, capfd):
   inputs = write_inputs(tmp_path / "in")
-  result = subprocess.run(
-      [sys.executable, "-m", "meshtrain.cli", "prepare", "--input", str(inputs / "b.parquet"),
-       str(inputs / "a.jsonl"), "--out", str(tmp_path / "out"), "--text_field=body"],
-      capture_output=True, text=True, cwd=REPO, timeout=120)
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [
+  code, _, err = cli_in_process(["prepare", "--input", str(inputs / "b.parquet"),
+                                 str(inputs / "a.jsonl"), "--out", str(tmp_path / "out"),
+                                 "--text_field=body"], capfd)
+  assert code == 2
+  assert err.strip().splitlines() == [
       f"error: --text_field: {inputs / 'a.jsonl'} line 1 has no field 'body'; set --text_field to "
       "the field that holds the text"]  # the paths after --input are inputs, read in sorted order
   assert sorted(tmp_path.iterdir()) == [tmp_path / "in"]

@@ -3,11 +3,10 @@ formulas (Megatron-LM, Qi et al. 2023), drawing, and the `schedule` command."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import cli_in_process
 
 from meshtrain.parallel.pipeline import checks, draw, measures
 from meshtrain.parallel.pipeline import schedule as schedule_lib
@@ -249,15 +248,14 @@ def test_draw_gantt_colours_f_b_w_apart(tmp_path, name, v):
   assert len(colours) == 3 * v
 
 
-def test_schedule_command_takes_costs_and_reports_in_flight(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "-m", "meshtrain.cli", "schedule", "--stages=4", "--microbatches=8",
-       "--schedule=zb_h1", "--costs=1,1,1", "--json"],
-      capture_output=True, text=True, timeout=120, cwd=tmp_path)
-  assert result.returncode == 0, result.stderr
-  summary = json.loads(result.stdout)
+def test_schedule_command_takes_costs_and_reports_in_flight(tmp_path, capfd, monkeypatch):
+  """In this process; tests/test_cli.py runs the command in its own."""
+  monkeypatch.chdir(tmp_path)
+  code, out, err = cli_in_process(["schedule", "--stages=4", "--microbatches=8",
+                                   "--schedule=zb_h1", "--costs=1,1,1", "--json"], capfd)
+  assert code == 0, err
+  summary = json.loads(out)
   assert summary["peak_in_flight"] == [4, 3, 2, 1]
   assert summary["bubble_fraction"] == pytest.approx(3 / 27)
-  bad = subprocess.run([sys.executable, "-m", "meshtrain.cli", "schedule", "--costs=1,x"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
-  assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --costs"), bad.stderr
+  code, _, err = cli_in_process(["schedule", "--costs=1,x"], capfd)
+  assert code == 2 and err.strip().startswith("error: --costs"), err
