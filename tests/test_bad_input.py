@@ -248,6 +248,8 @@ CASES = [
     ("plan", ["--search", "--devices=8", "--global_batch=-4"], "--global_batch"),
     ("plan", ["--search", "--devices=8", "--seq_len=1000000000000"], "--seq_len"),
     ("plan", ["--search", "--devices=8", "--compile"], "--compile"),  # plan without --search's
+    ("plan", ["--search", "--target=h100:1x8", "--devices=4"], "--devices"),
+    ("plan", ["--search", "--target=h100:1x8", "--cluster=a100_80gb"], "--cluster"),
     ("plan", ["--search", "--devices=8", "--config.mesh.tensor=2"], "config.mesh.tensor"),
     ("plan", ["--search", "--devices=8", "--config.mesh.across_hosts=data"],
      "config.mesh.across_hosts"),  # the search chooses it too

@@ -8,17 +8,20 @@ every strategy.
 """
 
 import functools
+import json
 import os
 import subprocess
 import sys
 
 import jax
 import pytest
-from conftest import REPO, micro_config
+from conftest import REPO, cli_in_process, micro_config
 
 from meshtrain import gpu_targets, quiet_cuda, validate
+from meshtrain.config import load
 from meshtrain.analysis import gpu_program, hlo
 from meshtrain.errors import ConfigError
+from meshtrain.planner import clusters, on_target, search
 from meshtrain.planner.plan import analytic, compile_step, llama_spec, measured_on_target, plan
 from meshtrain.train import parallelize, xla_options
 from meshtrain.train.setup import build
@@ -408,6 +411,61 @@ def test_plan_of_the_70b_pipeline_is_near_the_compiled_gpu_program():
   ratio = (report["analytic"]["memory_bytes"]["total"]
            / report["measured"]["memory_bytes"]["total"])
   assert abs(ratio - 1) < 0.10, ratio
+
+
+@pytest.mark.slow  # 3 compiles of the GPU program, 50 s
+def test_a_search_on_a_target_drops_the_candidates_whose_programs_do_not_fit(capfd, monkeypatch):
+  """`plan --search --target` compiles the search's first candidates for
+  the target and keeps the first `--top` that fit by their programs: with
+  the device's memory set below the first candidate's program, it is
+  dropped and the next that fits is kept, each printed with both memories.
+  (Each candidate compiles once: the later searches read its bytes back.)"""
+  compiled_bytes, compile_once = {}, on_target.program_bytes
+
+  def program_bytes(cfg, candidate, across_hosts, target):  # of tiny.py in bfloat16 alone
+    if (candidate, across_hosts) not in compiled_bytes:
+      compiled_bytes[candidate, across_hosts] = compile_once(cfg, candidate, across_hosts, target)
+    return compiled_bytes[candidate, across_hosts]
+  monkeypatch.setattr(on_target, "program_bytes", program_bytes)
+  cfg = load(REPO / "configs" / "tiny.py")
+  cfg.compute_dtype = "bfloat16"
+  target = gpu_targets.parse("h100:1x8")
+  results, _, _ = search.search(cfg, 8, on_target.cluster_of(target), 3)
+  every = on_target.compiled_candidates(cfg, results, target, top=len(results))
+  assert len(every) == len(results) and all(c.fits for c in every)
+  memories = [c.memory_bytes for c in every]
+  assert min(memories) < memories[0], memories
+  kept = on_target.compiled_candidates(cfg, results, target, top=1, usable=memories[0] - 1)
+  fits = next(i for i, m in enumerate(memories) if m < memories[0])
+  assert [c.fits for c in kept] == [False] * fits + [True]
+  assert [c.memory_bytes for c in kept] == memories[:fits + 1]
+  text = on_target.format_compiled(kept, len(results), target, "")
+  assert text.count("dropped, over the device") == fits and text.count("kept") == 1
+
+  monkeypatch.chdir(REPO)
+  flags = ["plan", "--config", "configs/tiny.py", "--config.compute_dtype=bfloat16", "--search",
+           "--target", "h100:1x8"]
+  code, out, err = cli_in_process([*flags, "--top", "1", "--json"], capfd)
+  assert code == 0, err
+  report = json.loads(out)
+  assert len(report["results"]) == 1 and report["results"][0]["compiled"]["fits"]
+  assert len(compiled_bytes) == len(results)  # the command compiled the same candidates
+  assert report["usable_memory_bytes"] == int(clusters.PRESETS["h100"].usable_memory
+                                              * target.memory_bytes)
+  code, _, err = cli_in_process([*flags, "--mesh", "data=8"], capfd)
+  assert code == 2 and err.strip().startswith("error: --mesh: explains one layout"), err
+
+
+@pytest.mark.slow  # a search on 256 GPUs, then 2 compiles for them, 40 s
+def test_a_70b_search_on_256_h100s_counts_the_memory_of_its_first_candidates_programs():
+  """The 70B preset on 32 hosts of 8 H100s: the search's memory a device
+  for its first two candidates within 10% of the programs XLA's GPU
+  compiler builds for them."""
+  cfg = load(REPO / "configs" / "llama_70b.py")
+  target = gpu_targets.parse("h100:32x8")
+  results, _, _ = search.search(cfg, target.num_devices, on_target.cluster_of(target), 2)
+  for c in on_target.compiled_candidates(cfg, results, target, top=2):
+    assert abs(c.estimate.memory_bytes["total"] / c.memory_bytes - 1) < 0.10, c
 
 
 @pytest.mark.slow

@@ -16,14 +16,15 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from conftest import REPO, micro_config, tiered
+from conftest import REPO, cli_in_process, micro_config, tiered
 from meshtrain.config import load
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import AXES
 from meshtrain.parallel.pipeline import schedule as schedules
 from meshtrain.parallel.pipeline.stages import StageLayout, balanced_counts
 from meshtrain.planner import calibration, clusters, costs, published, search
-from meshtrain.planner.plan import abstract_mesh, activation_bytes, backward_bytes
+from meshtrain.planner.plan import (abstract_mesh, activation_bytes, attention_scores,
+                                    backward_bytes)
 from meshtrain.train.run import sharding_rules
 
 
@@ -99,6 +100,26 @@ def test_a_search_counts_the_multi_token_prediction_modules_activations():
 
 
 @pytest.mark.slow
+def test_scores_are_told_from_activations_as_wide_as_the_sequence_is_long():
+  """The 70B preset is 8,192 wide at 8,192 tokens: its [rows, length, embed]
+  activations, stacked over 7 layers or not, are not attention scores, and
+  its scores are, at every row count: also where the rows equal its 8 kv
+  heads and its groups of 8 query heads, where the search once took the
+  [7, 8, 8, 8, length, length] scores of 8 rows for an activation, and so
+  drew through two row counts a line that gave every layout of the 70B
+  a negative memory."""
+  cfg = load(REPO / "configs" / "llama_70b.py")
+  length = cfg.seq_len
+  assert cfg.model.embed_dim == length and cfg.model.num_kv_heads == 8
+  for rows in (2, 4, 8):
+    assert not attention_scores((rows, length, length), cfg, rows)
+    assert not attention_scores((7, rows, length, length), cfg, rows)
+    assert attention_scores((7, rows, 8, 8, length, length), cfg, rows)
+    assert attention_scores((rows, 8, 8, length, length), cfg, rows)
+    assert attention_scores((rows, 64, length, length), cfg, rows)
+  assert attention_scores((8, 8, length, length), cfg, 8)  # 8 rows of 8 heads
+
+
 def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
   """Each estimate is its candidate's own, recomputation included: a fresh
   model prices it alike (under full recomputation every forward's
@@ -109,6 +130,7 @@ def test_a_1024_device_70b_search_returns_the_fastest_meshes_that_fit():
   assert len(results) == fitting > 100
   steps = [e.step_s for e in results]
   assert steps == sorted(steps)
+  assert all(e.memory_bytes["activations"] > 0 for e in results)
   for e in results[:5]:
     assert e.memory_bytes["total"] <= 0.9 * clusters.PRESETS["h100"].hbm_bytes
     assert e.step_s == pytest.approx(e.compute_s + sum(e.exposed_s.values()) + e.bubble_s)
@@ -610,11 +632,13 @@ def test_search_command_prints_json_with_ready_command_lines(tmp_path):
     assert row["memory_bytes"]["total"] <= 0.9 * 40e9
 
 
-def test_search_bad_input_is_one_line():
-  result = plan("--config", "configs/tiny.py", "--search", "--devices", "8", "--cluster", "h1000")
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-  assert result.stderr.startswith("error: --cluster: ")
+def test_search_bad_input_is_one_line(capfd, monkeypatch):
+  monkeypatch.chdir(REPO)
+  code, _, err = cli_in_process(["plan", "--config", "configs/tiny.py", "--search", "--devices",
+                                 "8", "--cluster", "h1000"], capfd)
+  assert code == 2
+  assert err.strip().splitlines() == [err.strip()]
+  assert err.startswith("error: --cluster: ")
 
 
 def test_xla_attention_writes_its_scores_through_memory():

@@ -12,8 +12,8 @@ from absl import flags, logging
 from meshtrain import gpu_targets, validate
 from meshtrain.cli import common, flag_parsing
 from meshtrain.errors import ConfigError
-from meshtrain.planner import clusters, search, verdict
-from meshtrain.planner.plan import format_plan, plan
+from meshtrain.planner import clusters, on_target, search, verdict
+from meshtrain.planner.plan import format_plan, plan, usable_memory
 from meshtrain.train.state_memory import device_memory
 
 FLAGS = flags.FlagValues()
@@ -26,7 +26,9 @@ _DEVICES = flags.DEFINE_integer("devices", None, "devices to plan for (default: 
                                 "config's simulate_devices, else the devices present)",
                                 flag_values=FLAGS)
 _TARGET = flags.DEFINE_string("target", None, "compile the step here for a GPU cluster "
-                              "and read its program, KIND:HOSTSxDEVICES (e.g. h100:1x8, h200:8x8; "
+                              "and read its program (--search: compile its first candidates "
+                              "and drop those that do not fit), KIND:HOSTSxDEVICES (e.g. "
+                              "h100:1x8, h200:8x8; "
                               f"KIND: {', '.join(gpu_targets.KINDS)} or a GpuTargetConfigProto "
                               ".txtpb file)", flag_values=FLAGS)
 _SEARCH = flags.DEFINE_bool("search", False, "search meshes, ZeRO stage, recomputation and "
@@ -96,17 +98,10 @@ def _verdict(cfg, report: dict) -> dict:
 
 def _plan_target(cfg) -> None:
   """plan --target: the step compiled for a GPU cluster on this machine."""
-  target = gpu_targets.parse(_TARGET.value)
   if _COMPILE.value:
     raise ConfigError("--compile", "plan --target compiles for the target's GPUs itself; remove "
                       "--compile (which compiles for simulated CPU devices)")
-  if _CLUSTER.present:
-    raise ConfigError("--cluster", f"plan --target judges against the target's own GPUs "
-                      f"({target}); remove --cluster")
-  if _DEVICES.value is not None and _DEVICES.value != target.num_devices:
-    raise ConfigError("--devices", f"is {_DEVICES.value}, but --target {target} has "
-                      f"{target.num_devices} devices; remove --devices")
-  gpu_targets.devices(target)  # before anything starts a backend on this machine
+  target = _checked_target("judges against")
   validate.check_devices(cfg, target.num_devices, "gpu")
   report = plan(cfg, target.num_devices, compile_step=False, target=target)
   measured = report["measured"]
@@ -129,14 +124,15 @@ def _planned_config_args(cfg) -> str:
 
 
 def _search(cfg) -> None:
-  if not _DEVICES.value or _DEVICES.value < 1:
+  target = None if _TARGET.value is None else _checked_target("searches for")
+  devices = target.num_devices if target else _DEVICES.value
+  if not devices or devices < 1:
     raise ConfigError("--devices", "plan --search needs the number of devices to plan for, "
-                      "e.g. --devices 1024")
-  for flag in (_COMPILE, _TARGET):
-    if flag.present:
-      raise ConfigError(f"--{flag.name}", "is read by plan without --search (it compiles the "
-                        "config's own layout); remove it, or plan one layout with "
-                        "--config.mesh.*")
+                      "e.g. --devices 1024 (or a --target cluster to compile for)")
+  if _COMPILE.present:
+    raise ConfigError("--compile", "is read by plan without --search (it compiles the "
+                      "config's own layout on simulated CPU devices); remove it, or compile "
+                      "the search's candidates for GPUs with --target")
   chosen = [name for name in FLAGS if name.startswith("config.") and
             FLAGS[name].present and search.chooses(name.removeprefix("config."))]
   if chosen:
@@ -152,28 +148,64 @@ def _search(cfg) -> None:
   with cfg.unlocked():
     cfg.global_batch = _GLOBAL_BATCH.value or cfg.global_batch
     cfg.seq_len = _SEQ_LEN.value or cfg.seq_len
-  cluster = clusters.load(_CLUSTER.value)
+  cluster = on_target.cluster_of(target) if target else clusters.load(_CLUSTER.value)
   config_arg = _planned_config_args(cfg)
   if _MESH.value is not None:
-    explained = search.explain(cfg, _DEVICES.value, cluster,
-                               search.parse_mesh(_MESH.value, _DEVICES.value))
+    if target:
+      raise ConfigError("--mesh", "explains one layout by the search's arithmetic; remove "
+                        "--target, or compile that layout with plan --target --config.mesh.*")
+    explained = search.explain(cfg, devices, cluster, search.parse_mesh(_MESH.value, devices))
     if _JSON.value:
       print(json.dumps({key: value.as_dict(config_arg) if isinstance(value, search.Estimate)
                         else value for key, value in explained.items()}, indent=2))
     else:
       print(explained["text"])
     return
-  results, fitting, _ = search.search(cfg, _DEVICES.value, cluster, _TOP.value)
+  if target:
+    _search_compiled(cfg, target, cluster, config_arg)
+    return
+  results, fitting, _ = search.search(cfg, devices, cluster, _TOP.value)
   if _JSON.value:
-    print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": _DEVICES.value,
+    print(json.dumps({"cluster": dataclasses.asdict(cluster), "devices": devices,
                       "fitting": fitting,
                       "kernel_efficiency": search.calibration.KERNEL_EFFICIENCY,
                       "results": [e.as_dict(config_arg) for e in results]}, indent=2))
   elif not results:
-    print(f"nothing fits: no mesh of {_DEVICES.value} x {cluster.name} holds this model at "
+    print(f"nothing fits: no mesh of {devices} x {cluster.name} holds this model at "
           f"global_batch={cfg.global_batch}, seq_len={cfg.seq_len}")
   else:
-    print(search.format_search(results, fitting, cluster, _DEVICES.value, config_arg))
+    print(search.format_search(results, fitting, cluster, devices, config_arg))
+
+
+def _checked_target(does: str) -> gpu_targets.Target:
+  """--target, which names the GPUs plan `does` itself: --cluster refused,
+  --devices only as many as it has."""
+  target = gpu_targets.parse(_TARGET.value)
+  if _CLUSTER.present:
+    raise ConfigError("--cluster", f"plan {'--search ' * _SEARCH.value}--target {does} the "
+                      f"target's own GPUs ({target}); remove --cluster")
+  if _DEVICES.value is not None and _DEVICES.value != target.num_devices:
+    raise ConfigError("--devices", f"is {_DEVICES.value}, but --target {target} has "
+                      f"{target.num_devices} devices; remove --devices")
+  gpu_targets.devices(target)  # before anything starts a backend on this machine
+  return target
+
+
+def _search_compiled(cfg, target: gpu_targets.Target, cluster, config_arg: str) -> None:
+  """The search's first candidates compiled for `target`, those that do not
+  fit by their programs dropped (`planner.on_target`)."""
+  results, fitting, _ = search.search(cfg, target.num_devices, cluster,
+                                      _TOP.value * on_target.COMPILED_PER_SHOWN)
+  compiled = on_target.compiled_candidates(cfg, results, target, _TOP.value)
+  if _JSON.value:
+    print(json.dumps({"target": str(target), "cluster": dataclasses.asdict(cluster),
+                      "devices": target.num_devices, "fitting": fitting,
+                      "usable_memory_bytes": usable_memory(target),
+                      "results": [c.as_dict(config_arg) for c in compiled if c.fits],
+                      "dropped": [c.as_dict(config_arg) for c in compiled if not c.fits]},
+                     indent=2))
+  else:
+    print(on_target.format_compiled(compiled, fitting, target, config_arg))
 
 
 COMMAND = common.Command("plan", FLAGS, main, CONFIG,

@@ -451,11 +451,18 @@ def residual_bytes(cfg, mesh, rules, *, layers: int, rows: int, remat: str,
 
 def attention_scores(shape: tuple[int, ...], cfg, rows: int) -> bool:
   """Whether a residual of `shape`, traced on `rows` sequences, is the
-  attention's [..., length, length] scores (which a flash kernel never
-  keeps), not a [..., rows, length, embed] activation of a model whose width
-  equals its length (the 1B preset's 2,048, Mixtral's 4,096)."""
-  return (tuple(shape[-2:]) == (cfg.seq_len, cfg.seq_len)
-          and tuple(shape[-3:]) != (rows, cfg.seq_len, cfg.model.embed_dim))
+  attention's scores (which a flash kernel never keeps): [rows, heads,
+  length, length], [rows, kv heads, group, length, length], either stacked
+  over the layers, and not a [rows, length, embed] activation, stacked or
+  not, of a model whose width equals its length (the 1B preset's 2,048,
+  Mixtral's 4,096, the 70B's 8,192). Told apart by where the rows are: the
+  activation's just before its last two dimensions, after a layer count
+  other than `rows` where stacked (a head count may equal the rows)."""
+  if tuple(shape[-2:]) != (cfg.seq_len, cfg.seq_len):
+    return False
+  activation = (cfg.model.embed_dim == cfg.seq_len and shape[-3] == rows
+                and (len(shape) == 3 or len(shape) == 4 and shape[0] != rows))
+  return not activation
 
 
 def pipeline_slots(cfg, stages: int, microbatches: int, virtual_stages: int) -> dict[str, int]:
@@ -635,15 +642,20 @@ def measured(setup) -> dict:
           "collectives": [dataclasses.asdict(c) for c in hlo.collectives(compiled, setup.mesh)]}
 
 
+def usable_memory(target: gpu_targets.Target) -> int:
+  """The bytes of a device of `target` a step may use: what the cluster
+  preset of its kind allows (`clusters.Cluster.usable_memory`), all of it
+  for another description."""
+  preset = clusters.PRESETS.get(target.name)
+  return int(target.memory_bytes * (preset.usable_memory if preset else 1))
+
+
 def measured_on_target(setup, target: gpu_targets.Target) -> dict:
   """The train step compiled for `target`'s GPUs (`setup` built on its
   devices): memory per device against the device's, the collectives with
   what XLA scheduled under them and the hosts they cross, the GEMM and
-  attention kernels, and the compile time. A step may use what the cluster
-  preset of its kind allows of the memory (`clusters.Cluster.usable_memory`),
-  all of it for another description."""
-  preset = clusters.PRESETS.get(target.name)
-  usable = int(target.memory_bytes * (preset.usable_memory if preset else 1))
+  attention kernels, and the compile time. A step may use `usable_memory`."""
+  usable = usable_memory(target)
   start = time.perf_counter()
   compiled = compile_step(setup)
   seconds = time.perf_counter() - start

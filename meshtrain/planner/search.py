@@ -986,7 +986,8 @@ def _line(e: Estimate) -> str:
           f"TFLOP/s/device (MFU {e.mfu:.1%}); memory {e.memory_bytes['total'] / 2**30:.1f} GiB")
 
 
-def _layout(c: Candidate) -> str:
+def describe(c: Candidate) -> str:
+  """The candidate's layout in a line: its mesh and what it sets."""
   mesh = " x ".join(f"{a}={n}" for a, n in c.mesh if n > 1) or "one device"
   extras = [f"zero {c.zero_stage}", f"remat {c.remat}"]
   if c.grad_accum_steps > 1:
@@ -1025,12 +1026,12 @@ def explain(cfg, devices: int, cluster: Cluster, sizes: dict) -> dict:
     why = (f"does not fit: {mine.memory_bytes['total'] / 2**30:.1f} GiB a device with full "
            f"recomputation, over {cluster.hbm_bytes * cluster.usable_memory / 2**30:.1f} usable")
   placed = rank_of(results, sizes)
-  lines += [f"your layout: {_layout(mine.candidate)}", f"  {_line(mine)}",
+  lines += [f"your layout: {describe(mine.candidate)}", f"  {_line(mine)}",
             f"  {why}" if why else f"  rank {placed[0]} of {fitting}" +
             (f", tied with {placed[1]} other meshes" if placed[1] else "")]
   first = results[0] if results else None
   if first is not None and first.candidate != mine.candidate:
-    lines += [f"first choice: {_layout(first.candidate)}", f"  {_line(first)}",
+    lines += [f"first choice: {describe(first.candidate)}", f"  {_line(first)}",
               f"  {mine.step_s / first.step_s:.2f}x faster predicted; where the time differs "
               "(yours - first, ms):"]
     parts = {"compute": (mine.compute_s, first.compute_s),
@@ -1049,7 +1050,7 @@ def format_search(results: list[Estimate], fitting: int, cluster: Cluster, devic
            f"{len(results)} (matmuls at {calibration.KERNEL_EFFICIENCY:.0%} of peak, "
            "calibrated):", ""]
   for i, e in enumerate(results, 1):
-    lines += [f"{i}. {_layout(e.candidate)}", f"   {_line(e)}",
+    lines += [f"{i}. {describe(e.candidate)}", f"   {_line(e)}",
               f"   {e.tokens_per_s_per_device:,.0f} tokens/s/device, activations "
               f"{e.memory_bytes['activations'] / 2**30:.1f} GiB/device",
               f"   {e.as_dict(base_config)['command']}", ""]
