@@ -414,7 +414,8 @@ def test_plan_of_the_70b_pipeline_is_near_the_compiled_gpu_program():
 
 
 @pytest.mark.slow  # 3 compiles of the GPU program, 50 s
-def test_a_search_on_a_target_drops_the_candidates_whose_programs_do_not_fit(capfd, monkeypatch):
+def test_a_search_on_a_target_drops_the_candidates_whose_programs_do_not_fit(capfd, monkeypatch,
+                                                                           tmp_path):
   """`plan --search --target` compiles the search's first candidates for
   the target and keeps the first `--top` that fit by their programs: with
   the device's memory set below the first candidate's program, it is
@@ -454,6 +455,12 @@ def test_a_search_on_a_target_drops_the_candidates_whose_programs_do_not_fit(cap
                                               * target.memory_bytes)
   code, _, err = cli_in_process([*flags, "--mesh", "data=8"], capfd)
   assert code == 2 and err.strip().startswith("error: --mesh: explains one layout"), err
+  described = tmp_path / "mine.txtpb"  # a description of no preset's kind
+  described.write_text((REPO / "meshtrain/gpu_targets/h100.txtpb").read_text())
+  code, _, err = cli_in_process([*flags[:-1], f"{described}:1x8"], capfd)
+  assert code == 2 and err.strip().splitlines() == [
+      f"error: --target: mine:1x8 has no cluster preset to search with; name a kind of "
+      f"{', '.join(gpu_targets.KINDS)}"], err
 
 
 @pytest.mark.slow  # a search on 256 GPUs, then 2 compiles for them, 40 s

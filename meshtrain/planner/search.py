@@ -382,8 +382,7 @@ class StepModel:
         for (path, x), names in zip(jax.tree_util.tree_leaves_with_path(layers), jax.tree.leaves(
             self.spec.names["layers"], is_leaf=lambda n: isinstance(n, tuple))) if x.ndim > 2]
     layer_params = sum(size for size, _ in matrices)
-    self.layer_weights = sum(x.size for x in jax.tree.leaves(self.spec.abstract_params["layers"])
-                             ) / m.num_layers  # one layer's, all experts
+    self.layer_weights = sum(x.size for x in jax.tree.leaves(layers)) / m.num_layers  # all experts
     self.attention_forward = flops.attention_per_token(
         dataclasses.replace(self.model_cfg, mtp_layers=0), cfg.seq_len)  # the layers'
     self.layer_forward = 2 * layer_params + self.attention_forward
